@@ -1,0 +1,1 @@
+"""Wire contracts: Tinker/native HTTP types and the gateway<->worker job contract. No torch, no FastAPI."""

@@ -1,0 +1,119 @@
+"""The gateway <-> worker contract: a Job goes down the queue, a JobResult comes back.
+
+Jobs are frozen: once the gateway has validated and queued one, nothing may change it. Binary payloads
+(the forward_backward protobuf) travel as bytes, base64 in JSON.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from enum import Enum
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_bytes="base64", val_json_bytes="base64")
+
+
+class ErrorCategory(str, Enum):
+    USER = "user"
+    SERVER = "server"
+    UNKNOWN = "unknown"
+
+
+class LoraSpec(_Frozen):
+    rank: int
+    seed: int | None = None
+    train_attn: bool = True
+    train_mlp: bool = True
+    train_unembed: bool = True
+
+
+class AdamSpec(_Frozen):
+    learning_rate: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    grad_clip_norm: float
+
+
+class CreateModel(_Frozen):
+    kind: Literal["create_model"] = "create_model"
+    lora: LoraSpec
+    optimizer: Literal["adamw"] = "adamw"
+
+
+class ForwardBackward(_Frozen):
+    kind: Literal["forward_backward"] = "forward_backward"
+    request_pb: bytes  # serialized (uncompressed) tinker_public.ForwardBackwardRequest, already validated
+    forward_only: bool
+
+
+class OptimStep(_Frozen):
+    kind: Literal["optim_step"] = "optim_step"
+    adam: AdamSpec
+
+
+class SaveWeights(_Frozen):
+    kind: Literal["save_weights"] = "save_weights"
+    storage_key: str  # relative location inside the checkpoint store, minted by the gateway
+    tinker_path: str
+    with_optimizer: bool  # True for save_state (weights/), False for sampler_weights/
+
+
+class LoadWeights(_Frozen):
+    kind: Literal["load_weights"] = "load_weights"
+    storage_key: str
+    with_optimizer: bool
+    create: bool  # True: the model slot is created by this load (create-via-load)
+
+
+class Skip(_Frozen):
+    """Marks a seq_id as consumed without work (its request was rejected), so later ones are not held back."""
+
+    kind: Literal["skip"] = "skip"
+    reason: str
+
+
+Payload = Annotated[
+    Union[CreateModel, ForwardBackward, OptimStep, SaveWeights, LoadWeights, Skip], Field(discriminator="kind")
+]
+
+
+class Job(_Frozen):
+    job_id: str
+    tenant_id: str
+    base_model: str
+    model_id: str
+    seq_id: int  # per-model order; 0 for the model's first operation (create / create-via-load)
+    payload: Payload
+    result_type: str  # tinker result type name, e.g. "ForwardBackwardOutput"; tells retrieve_future the media type
+
+    def fingerprint(self) -> str:
+        """Hash of what the job asks for (not of its id): a retry must carry the same one."""
+        return hashlib.sha256(self.payload.model_dump_json().encode()).hexdigest()
+
+
+class JobError(_Frozen):
+    category: ErrorCategory
+    message: str
+
+
+class JobResult(_Frozen):
+    job_id: str
+    media_type: Literal["application/json", "application/x-protobuf"] = "application/json"
+    body: bytes = b""
+    error: JobError | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+class JobState(str, Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    DONE = "done"

@@ -1,0 +1,1 @@
+"""JSON types of the Tinker API (tolerant of unknown fields) and protobuf helpers."""

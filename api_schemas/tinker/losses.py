@@ -1,0 +1,160 @@
+"""The Tinker loss-function table: what each `loss_fn` needs, and validation before anything is queued.
+
+Pure data (no torch): the gateway imports it to reject a bad forward_backward with a 400 before queueing,
+and the engine (`workers/engine/losses.py`) runs the same checks and reads the resolved config from here,
+so both sides agree on names, inputs and defaults. Names follow `tinker/types/loss_fn_type.py` (SDK 0.38.0);
+formulas and defaults follow the Tinker loss docs (cookbook `docs/losses.mdx`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Mapping
+
+__all__ = [
+    "LOSS_SPECS",
+    "SUPPORTED_LOSSES",
+    "LossSpec",
+    "LossSpecError",
+    "resolve_loss_config",
+    "validate_loss_request",
+]
+
+
+class LossSpecError(ValueError):
+    """A forward_backward request names an unknown or unsupported loss, or its inputs/config are wrong."""
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    name: str
+    required_inputs: frozenset[str]
+    # Optional per-datum inputs. The SDK types `clip_low_threshold` / `clip_high_threshold` as loss_fn_inputs
+    # (tinker/types/datum.py), so clipped losses accept them per datum (one value) or per token.
+    optional_inputs: frozenset[str] = frozenset()
+    config_defaults: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
+    # Numeric config keys that have no documented default and must therefore be given.
+    required_config: frozenset[str] = frozenset()
+    # Set when this server cannot run the loss; validation then rejects it with this reason.
+    unsupported_reason: str | None = None
+
+    @property
+    def config_keys(self) -> frozenset[str]:
+        return frozenset(self.config_defaults) | self.required_config
+
+
+_RL_INPUTS = frozenset({"target_tokens", "logprobs", "advantages"})
+_CLIP_INPUTS = frozenset({"clip_low_threshold", "clip_high_threshold"})
+_CLIP_DEFAULTS = MappingProxyType({"clip_low_threshold": 0.8, "clip_high_threshold": 1.2})
+
+_SPECS: tuple[LossSpec, ...] = (
+    LossSpec("cross_entropy", frozenset({"target_tokens", "weights"})),
+    LossSpec("importance_sampling", _RL_INPUTS),
+    LossSpec("ppo", _RL_INPUTS, _CLIP_INPUTS, _CLIP_DEFAULTS),
+    LossSpec("cispo", _RL_INPUTS, _CLIP_INPUTS, _CLIP_DEFAULTS),
+    # The docs show `beta` only as "custom beta" and never state a default; guessing one would silently
+    # change the objective, so it must be given.
+    LossSpec("dro", _RL_INPUTS, required_config=frozenset({"beta"})),
+    LossSpec("gspo", _RL_INPUTS | {"sequence_ratio_mask"}, _CLIP_INPUTS, _CLIP_DEFAULTS),
+    # Its config (the SDK docstring names `kl_coeff`) is undocumented, so no keys or defaults are listed.
+    LossSpec(
+        "stable_reinforce",
+        _RL_INPUTS,
+        unsupported_reason=(
+            "stable_reinforce is not supported by this server: its objective (alpha in Tinker) is not "
+            "published, and it needs per-sequence stability records captured at sampling time "
+            "(record_stability_info=True) that this server's samplers do not record. "
+            "Use ppo, cispo, gspo or importance_sampling instead."
+        ),
+    ),
+    LossSpec(
+        "custom",
+        frozenset(),
+        unsupported_reason=(
+            "server-side custom losses (loss_fn='custom' with a loss_id from create_custom_loss) are not "
+            "supported by this server: it does not execute client-traced graphs. "
+            "forward_backward_custom still works: with custom_loss_server_side off (this server's setting) "
+            "the SDK computes the loss client-side on top of cross_entropy."
+        ),
+    ),
+)
+
+LOSS_SPECS: Mapping[str, LossSpec] = MappingProxyType({s.name: s for s in _SPECS})
+SUPPORTED_LOSSES: tuple[str, ...] = tuple(s.name for s in _SPECS if s.unsupported_reason is None)
+
+
+def _number(loss_fn: str, key: str, value: float | str) -> float:
+    # bool is an int subclass; a True threshold is a client bug, not 1.0.
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise LossSpecError(f"{loss_fn}: loss_fn_config[{key!r}] must be a number, got {value!r}")
+    return float(value)
+
+
+def resolve_loss_config(loss_fn: str, config: Mapping[str, float | str]) -> dict[str, float]:
+    """Check `config` against the loss's keys and value ranges; return every key with defaults filled in."""
+    spec = _spec(loss_fn)
+    unknown = sorted(set(config) - spec.config_keys)
+    if unknown:
+        allowed = ", ".join(sorted(spec.config_keys)) or "none"
+        raise LossSpecError(f"{loss_fn}: unknown loss_fn_config key(s) {unknown}; allowed: {allowed}")
+    missing = sorted(spec.required_config - set(config))
+    if missing:
+        raise LossSpecError(f"{loss_fn}: loss_fn_config must set {missing} (there is no documented default)")
+    resolved = dict(spec.config_defaults)
+    for key, value in config.items():
+        resolved[key] = _number(loss_fn, key, value)
+
+    if "clip_low_threshold" in resolved:
+        lo, hi = resolved["clip_low_threshold"], resolved["clip_high_threshold"]
+        _check_clip_thresholds(loss_fn, lo, hi)
+    if "beta" in resolved and not (math.isfinite(resolved["beta"]) and resolved["beta"] >= 0):
+        raise LossSpecError(f"{loss_fn}: beta must be a finite number >= 0, got {resolved['beta']}")
+    return resolved
+
+
+def _check_clip_thresholds(loss_fn: str, lo: float, hi: float) -> None:
+    """Ratio clip bounds: 0 <= lo <= hi; hi may be +inf (no upper clip). torch.clamp with lo > hi is silently wrong."""
+    if not (math.isfinite(lo) and lo >= 0):
+        raise LossSpecError(f"{loss_fn}: clip_low_threshold must be a finite number >= 0, got {lo}")
+    if math.isnan(hi) or hi < lo:
+        raise LossSpecError(
+            f"{loss_fn}: clip_high_threshold ({hi}) must be >= clip_low_threshold ({lo}); "
+            "they are ratio bounds such as 0.8 and 1.2, not epsilons"
+        )
+
+
+def validate_loss_request(
+    loss_fn: str, input_keys_per_datum: list[set[str]], config: Mapping[str, float | str]
+) -> None:
+    """Raise LossSpecError naming what is wrong: the loss name, a datum's loss_fn_inputs keys, or the config."""
+    spec = _spec(loss_fn)
+    if not input_keys_per_datum:
+        raise LossSpecError(f"{loss_fn}: the request has no datums")
+    allowed = spec.required_inputs | spec.optional_inputs
+    for i, keys in enumerate(input_keys_per_datum):
+        missing = sorted(spec.required_inputs - keys)
+        if missing:
+            raise LossSpecError(
+                f"{loss_fn}: datum {i} is missing loss_fn_inputs {missing} "
+                f"(required: {sorted(spec.required_inputs)})"
+            )
+        # Rejecting extras matters: a misspelled or unsupported key (e.g. a "mask") would otherwise be ignored
+        # and the user would train on something other than what they think.
+        extra = sorted(keys - allowed)
+        if extra:
+            raise LossSpecError(
+                f"{loss_fn}: datum {i} has loss_fn_inputs {extra} that this loss does not use "
+                f"(allowed: {sorted(allowed)})"
+            )
+    resolve_loss_config(loss_fn, config)
+
+
+def _spec(loss_fn: str) -> LossSpec:
+    spec = LOSS_SPECS.get(loss_fn)
+    if spec is None:
+        raise LossSpecError(f"unknown loss_fn {loss_fn!r}; supported: {', '.join(SUPPORTED_LOSSES)}")
+    if spec.unsupported_reason is not None:
+        raise LossSpecError(spec.unsupported_reason)
+    return spec

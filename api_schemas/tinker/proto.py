@@ -1,0 +1,154 @@
+"""Protobuf conversion for the two binary parts of the Tinker API: forward_backward requests in, results out.
+
+Uses the pinned SDK's `tinker_public_pb2`; the SDK ships only the client side of these codecs, this is the inverse.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import zstandard
+from tinker.proto import tinker_public_pb2 as pb
+
+_DTYPES: dict[int, np.dtype] = {
+    pb.DTYPE_FLOAT32: np.dtype("<f4"),
+    pb.DTYPE_INT64: np.dtype("<i8"),
+    pb.DTYPE_INT32: np.dtype("<i4"),
+}
+MAX_DECOMPRESSED_BYTES = 256 * 1024 * 1024
+
+
+class ProtoDecodeError(ValueError):
+    """The body is not a well-formed request; the message says what is wrong."""
+
+
+@dataclass(frozen=True)
+class DecodedDatum:
+    tokens: np.ndarray  # int64 (N,), the model input
+    inputs: dict[str, np.ndarray]  # loss_fn_inputs, dense, int64 or float32
+
+
+@dataclass(frozen=True)
+class DecodedForwardBackward:
+    model_id: str
+    seq_id: int
+    loss_fn: str
+    loss_fn_config: dict[str, float | str]
+    forward_only: bool
+    data: list[DecodedDatum]
+
+
+def decompress(body: bytes, content_encoding: str | None) -> bytes:
+    if not content_encoding or content_encoding.lower() == "identity":
+        return body
+    if content_encoding.lower() != "zstd":
+        raise ProtoDecodeError(f"unsupported Content-Encoding {content_encoding!r} (use zstd or none)")
+    try:
+        return zstandard.ZstdDecompressor().decompress(body, max_output_size=MAX_DECOMPRESSED_BYTES)
+    except zstandard.ZstdError as e:
+        raise ProtoDecodeError(f"invalid zstd body: {e}") from e
+
+
+def parse_forward_backward(raw: bytes) -> pb.ForwardBackwardRequest:
+    try:
+        return pb.ForwardBackwardRequest.FromString(raw)
+    except Exception as e:  # protobuf raises DecodeError, but be tolerant of its variants
+        raise ProtoDecodeError(f"body is not a ForwardBackwardRequest protobuf: {e}") from e
+
+
+def decode_tensor(name: str, t: pb.Tensor) -> np.ndarray:
+    dtype = _DTYPES.get(t.dtype)
+    if dtype is None:
+        raise ProtoDecodeError(f"loss_fn_inputs[{name!r}]: unsupported dtype {t.dtype}")
+    shape = tuple(int(s) for s in t.shape)
+    if any(s < 0 for s in shape):
+        raise ProtoDecodeError(f"loss_fn_inputs[{name!r}]: negative dimension in shape {shape}")
+    enc = t.WhichOneof("encoding")
+    if enc == "dense":
+        if len(t.dense) % dtype.itemsize:
+            raise ProtoDecodeError(f"loss_fn_inputs[{name!r}]: byte length not a multiple of the dtype size")
+        arr = np.frombuffer(t.dense, dtype=dtype)
+        if shape:
+            if int(np.prod(shape)) != arr.size:
+                raise ProtoDecodeError(f"loss_fn_inputs[{name!r}]: {arr.size} values do not fit shape {list(shape)}")
+            arr = arr.reshape(shape)
+    elif enc == "sparse_csr":
+        arr = _decode_csr(name, t.sparse_csr, dtype, shape)
+    else:
+        arr = np.zeros(shape or (0,), dtype=dtype)
+    if arr.dtype == np.int32:
+        arr = arr.astype(np.int64)
+    return arr.astype(arr.dtype.newbyteorder("="), copy=True)
+
+
+def _decode_csr(name: str, csr: pb.SparseCsr, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+    if len(shape) != 2:
+        raise ProtoDecodeError(f"loss_fn_inputs[{name!r}]: sparse tensors need a 2-D shape, got {list(shape)}")
+    rows, cols = shape
+    values = np.frombuffer(csr.values, dtype=dtype)
+    crow = np.frombuffer(csr.crow_indices, dtype="<i8")
+    col = np.frombuffer(csr.col_indices, dtype="<i8")
+    if crow.size != rows + 1 or col.size != values.size or (crow.size and (crow[0] != 0 or crow[-1] != values.size)):
+        raise ProtoDecodeError(f"loss_fn_inputs[{name!r}]: inconsistent CSR indices")
+    if np.any(np.diff(crow) < 0) or (col.size and (col.min() < 0 or col.max() >= cols)):
+        raise ProtoDecodeError(f"loss_fn_inputs[{name!r}]: CSR index out of range")
+    dense = np.zeros(shape, dtype=dtype)
+    row_of = np.repeat(np.arange(rows), np.diff(crow))
+    dense[row_of, col] = values
+    return dense
+
+
+def decode_forward_backward(msg: pb.ForwardBackwardRequest) -> DecodedForwardBackward:
+    data = []
+    for i, d in enumerate(msg.data):
+        parts = []
+        for chunk in d.model_input:
+            kind = chunk.WhichOneof("chunk")
+            if kind != "encoded_text":
+                raise ProtoDecodeError(f"datum {i}: {kind} chunks are not supported by this text model")
+            if len(chunk.encoded_text.tokens) % 4:
+                raise ProtoDecodeError(f"datum {i}: token bytes are not int32")
+            parts.append(np.frombuffer(chunk.encoded_text.tokens, dtype="<i4"))
+        tokens = np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
+        inputs = {k: decode_tensor(k, v) for k, v in d.loss_fn_inputs.items()}
+        data.append(DecodedDatum(tokens=tokens, inputs=inputs))
+    config: dict[str, float | str]
+    if len(msg.loss_fn_config_v2):
+        config = {
+            k: (v.text if v.WhichOneof("value") == "text" else float(v.number)) for k, v in msg.loss_fn_config_v2.items()
+        }
+    else:
+        config = {k: float(v) for k, v in msg.loss_fn_config.items()}
+    return DecodedForwardBackward(
+        model_id=msg.model_id,
+        seq_id=int(msg.seq_id),
+        loss_fn=msg.loss_fn,
+        loss_fn_config=config,
+        forward_only=bool(msg.forward_only),
+        data=data,
+    )
+
+
+def encode_forward_backward_output(outputs: list[dict[str, np.ndarray]], metrics: dict[str, float]) -> bytes:
+    """One ArrayRecord holding every datum's outputs, in request order."""
+    record = pb.ArrayRecord(type_tag="ArrayRecord", num_datums=len(outputs))
+    for name in outputs[0].keys() if outputs else ():
+        arrays = [np.ascontiguousarray(o[name]) for o in outputs]
+        is_int = np.issubdtype(arrays[0].dtype, np.integer)
+        dtype = np.dtype("<i8") if is_int else np.dtype("<f4")
+        arrays = [a.astype(dtype) for a in arrays]
+        trailing = list(arrays[0].shape[1:])
+        offsets = np.cumsum([0] + [a.nbytes for a in arrays]).astype("<i8")
+        record.fields[name].CopyFrom(
+            pb.BatchedTensor(
+                data=b"".join(a.tobytes() for a in arrays),
+                offsets=offsets.tobytes(),
+                dtype=pb.DTYPE_INT64 if is_int else pb.DTYPE_FLOAT32,
+                trailing_shape=trailing,
+            )
+        )
+    out = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=[record])
+    for k, v in metrics.items():
+        out.metrics[k] = float(v)
+    return out.SerializeToString()

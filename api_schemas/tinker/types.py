@@ -1,0 +1,180 @@
+"""Tinker API JSON request/response bodies, as SDK 0.38.0 sends and expects them.
+
+Requests are tolerant (unknown fields ignored: a newer client may add some); responses carry what the SDK requires.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"  # checkpoint names: no "/", no "..", no spaces
+
+
+class Request(BaseModel):
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+
+class Response(BaseModel):
+    model_config = ConfigDict(protected_namespaces=())
+
+
+# --- bootstrap and sessions ---
+class CreateSessionRequest(Request):
+    tags: list[str] = Field(default_factory=list, max_length=64)
+    user_metadata: dict[str, Any] = Field(default_factory=dict)
+    sdk_version: str | None = None
+    project_id: str | None = Field(None, max_length=128)
+    display_name: str | None = Field(None, max_length=256)
+
+
+class CreateSessionResponse(Response):
+    session_id: str
+    type: Literal["create_session"] = "create_session"
+
+
+class SessionHeartbeatRequest(Request):
+    session_id: str
+
+
+class FinishReason(Request):
+    type: Literal["success", "errored", "interrupted"] = "success"
+
+
+class FinishSessionRequest(Request):
+    reason: FinishReason = Field(default_factory=FinishReason)
+    detail: str | None = Field(None, max_length=2048)
+
+
+# --- models ---
+class LoraConfig(Request):
+    rank: int = Field(32, ge=1)
+    seed: int | None = None
+    train_unembed: bool = True
+    train_mlp: bool = True
+    train_attn: bool = True
+
+
+class OptimizerConfig(Request):
+    type: str = "adamw"
+
+
+class CreateModelRequest(Request):
+    session_id: str
+    model_seq_id: int = Field(ge=0)
+    base_model: str
+    user_metadata: dict[str, Any] | None = None
+    lora_config: LoraConfig = Field(default_factory=LoraConfig)
+    optimizer_config: OptimizerConfig = Field(default_factory=OptimizerConfig)
+
+
+class GetInfoRequest(Request):
+    model_id: str
+
+
+class ModelData(Response):
+    arch: str | None = None
+    model_name: str | None = None
+    tokenizer_id: str | None = None
+
+
+class GetInfoResponse(Response):
+    model_id: str
+    model_data: ModelData
+    optimizer_config: dict[str, Any] = Field(default_factory=lambda: {"type": "adamw"})
+    is_lora: bool = True
+    lora_rank: int | None = None
+    model_name: str | None = None
+    type: Literal["get_info"] = "get_info"
+
+
+class SupportedModel(Response):
+    model_name: str
+    max_context_length: int | None = None
+    trainable: bool = True
+    sampleable: bool = True
+
+
+class ServerCapabilities(Response):
+    supported_models: list[SupportedModel]
+
+
+# --- training operations ---
+class AdamParams(Request):
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
+
+    @field_validator("*")
+    @classmethod
+    def _finite(cls, v: float) -> float:
+        if not math.isfinite(v):
+            raise ValueError("must be a finite number")
+        return v
+
+
+class OptimStepRequest(Request):
+    model_id: str
+    seq_id: int = Field(ge=0)
+    adam_params: AdamParams | None = None
+    optimizer_params: dict[str, Any] | None = None
+
+
+class SaveWeightsRequest(Request):
+    model_id: str
+    seq_id: int = Field(ge=0)
+    path: str = Field(pattern=NAME_PATTERN)
+    ttl_seconds: int | None = None
+    overwrite: bool = False
+    user_metadata: dict[str, str] | None = None
+
+
+class SaveWeightsForSamplerRequest(Request):
+    model_id: str
+    seq_id: int = Field(ge=0)
+    path: str | None = Field(None, pattern=NAME_PATTERN)
+    sampling_session_seq_id: int | None = None
+    kind: str = "snapshot"
+    ttl_seconds: int | None = None
+    user_metadata: dict[str, str] | None = None
+
+
+class LoadWeightsRequest(Request):
+    path: str
+    optimizer: bool = False
+    # create-via-load form
+    session_id: str | None = None
+    model_seq_id: int | None = Field(None, ge=0)
+    base_model: str | None = None
+    user_metadata: dict[str, Any] | None = None
+    # legacy model-addressed form
+    model_id: str | None = None
+    seq_id: int | None = Field(None, ge=0)
+
+
+# --- futures ---
+class UntypedFuture(Response):
+    request_id: str
+    model_id: str | None = None
+
+
+class RetrieveFutureRequest(Request):
+    request_id: str
+    allow_metadata_only: bool = False
+
+
+class TryAgain(Response):
+    type: Literal["try_again"] = "try_again"
+    request_id: str
+    queue_state: Literal["active", "paused_capacity", "paused_rate_limit"] = "active"
+    queue_state_reason: str | None = None
+
+
+class FutureError(Response):
+    error: str
+    category: Literal["user", "server", "unknown"]

@@ -1,0 +1,1 @@
+"""Composition root: the only code that imports both server/ and workers/."""

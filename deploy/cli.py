@@ -1,0 +1,117 @@
+"""`twinkle-server`: serve, and manage tenants' API keys (keys create / list / revoke)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from typing import Any
+
+from server.config import Settings
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    overrides: dict[str, Any] = {
+        k: v for k, v in vars(args).items() if v is not None and k in Settings.model_fields
+    }
+    return Settings(**overrides)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    settings = _settings(args)
+    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import uvicorn
+
+    from deploy.embedded import build_embedded_app
+
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    asyncio.run(_first_key(settings))
+    app = build_embedded_app(settings)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower())
+    return 0
+
+
+async def _first_key(settings: Settings) -> None:
+    """On a fresh data dir, make one key so a laptop user can start at once (printed once, stored hashed)."""
+    from server.db.database import Database
+    from server.services import tenants
+
+    db = Database(settings.sqlalchemy_url)
+    try:
+        await db.create_schema()
+        if not await tenants.list_keys(db):
+            key, _ = await tenants.create_key(db, "default")
+            print(f"\nFirst start: created tenant 'default' with API key\n\n    {key}\n\n"
+                  "It is shown only now. More: twinkle-server keys create --tenant NAME\n", file=sys.stderr)
+    finally:
+        await db.close()
+
+
+def _keys(args: argparse.Namespace) -> int:
+    from server.db.database import Database
+    from server.errors import DomainError
+    from server.services import tenants
+
+    settings = _settings(args)
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+
+    async def run() -> int:
+        db = Database(settings.sqlalchemy_url)
+        await db.create_schema()
+        try:
+            if args.keys_cmd == "create":
+                key, key_id = await tenants.create_key(db, args.tenant)
+                print(key)
+                print(f"key id {key_id} for tenant {args.tenant!r}; store it now, it is not shown again", file=sys.stderr)
+            elif args.keys_cmd == "list":
+                print(f"{'id':>4}  {'tenant':<24} {'prefix':<12} {'created':<26} revoked")
+                for k in await tenants.list_keys(db):
+                    print(f"{k.key_id:>4}  {k.tenant:<24} {k.prefix:<12} {k.created_at.isoformat():<26} {k.revoked_at or '-'}")
+            elif args.keys_cmd == "revoke":
+                await tenants.revoke(db, args.key_id)
+                print(f"revoked key {args.key_id}", file=sys.stderr)
+            return 0
+        except DomainError as e:
+            print(f"error: {e.message}", file=sys.stderr)
+            return 1
+        finally:
+            await db.close()
+
+    return asyncio.run(run())
+
+
+def main(argv: list[str] | None = None) -> int:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--data-dir", dest="data_dir", help="where the database, models and checkpoints live")
+    common.add_argument("--database-url", dest="database_url", help="SQLAlchemy URL (default: SQLite in data dir)")
+    parser = argparse.ArgumentParser(prog="twinkle-server", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    serve = sub.add_parser("serve", parents=[common], help="run the server (embedded mode by default)")
+    serve.add_argument("--host")
+    serve.add_argument("--port", type=int)
+    serve.add_argument("--base-model", dest="base_model", help="HF/ModelScope id or a local HF folder")
+    serve.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "float64"])
+    serve.add_argument("--device")
+    serve.add_argument("--log-level", dest="log_level")
+    serve.set_defaults(func=_serve)
+
+    keys = sub.add_parser("keys", help="manage tenants' API keys")
+    keys_sub = keys.add_subparsers(dest="keys_cmd", required=True)
+    create = keys_sub.add_parser("create", parents=[common], help="create a key (and the tenant if new); prints the key once")
+    create.add_argument("--tenant", required=True)
+    keys_sub.add_parser("list", parents=[common], help="list keys (prefixes only)")
+    revoke = keys_sub.add_parser("revoke", parents=[common], help="revoke a key by id")
+    revoke.add_argument("key_id", type=int)
+    keys.set_defaults(func=_keys)
+
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

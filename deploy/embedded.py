@@ -1,0 +1,40 @@
+"""Embedded mode: gateway + in-process queue + the worker, in one process (the default `twinkle-server serve`)."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from fastapi import FastAPI
+
+from api_schemas.models import ServedModel
+from jobqueue.local_queue import LocalQueue
+from server.app import create_app
+from server.config import Settings
+from workers.checkpoints.store import CheckpointStore
+from workers.dispatcher import Dispatcher
+from workers.engine.base_model import BaseModel
+from workers.engine.model_assets import resolve_base_model, tokenizer_id_for
+from workers.engine.trainer import Trainer
+
+log = logging.getLogger(__name__)
+
+
+def build_embedded_app(settings: Settings) -> FastAPI:
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    folder = resolve_base_model(settings.base_model, settings.data_dir)
+    name = settings.base_model  # clients name the model as the operator did
+    log.info("loading base model %s from %s", name, folder)
+    base = BaseModel(name, folder, dtype=settings.dtype, device=settings.device)
+    cfg = json.loads((folder / "config.json").read_text())
+    served = ServedModel(
+        name=name,
+        vocab_size=base.vocab_size,
+        max_context=base.max_context,
+        tokenizer_id=tokenizer_id_for(folder),
+        arch=(cfg.get("architectures") or [None])[0],
+    )
+    queue = LocalQueue(result_ttl=settings.result_ttl_seconds)
+    trainer = Trainer(base, CheckpointStore(settings.checkpoint_dir))
+    dispatcher = Dispatcher(queue, name, trainer.execute, gap_timeout=settings.seq_gap_timeout_seconds)
+    return create_app(settings, queue, {name: served}, background=[dispatcher.run])

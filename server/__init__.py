@@ -1,0 +1,1 @@
+"""The gateway: HTTP -> auth -> services -> jobqueue/db. Never imports torch or workers/."""

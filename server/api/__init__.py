@@ -1,0 +1,1 @@
+"""HTTP routes: thin modules that parse, call one service, and return a schema."""

@@ -1,0 +1,32 @@
+"""Shared route dependencies: the service context and the authenticated tenant."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Depends, Header, Request
+
+from server.auth.keys import tenant_for_key
+from server.errors import Unauthorized
+from server.services.context import Context
+
+
+def get_ctx(request: Request) -> Context:
+    ctx: Context = request.app.state.ctx
+    return ctx
+
+
+async def get_tenant(
+    ctx: Annotated[Context, Depends(get_ctx)], x_api_key: Annotated[str | None, Header()] = None
+) -> str:
+    if not x_api_key:
+        raise Unauthorized("missing X-API-Key header")
+    async with ctx.db.session() as s:
+        tenant_id = await tenant_for_key(s, x_api_key)
+    if tenant_id is None:
+        raise Unauthorized("invalid or revoked API key")
+    return tenant_id
+
+
+Ctx = Annotated[Context, Depends(get_ctx)]
+Tenant = Annotated[str, Depends(get_tenant)]

@@ -1,0 +1,48 @@
+"""Training routes: forward_backward (protobuf body), optim_step, save/load weights. Each returns a future."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+
+from api_schemas.tinker.types import (
+    LoadWeightsRequest,
+    OptimStepRequest,
+    SaveWeightsForSamplerRequest,
+    SaveWeightsRequest,
+    UntypedFuture,
+)
+from server.api.deps import Ctx, Tenant
+from server.errors import PayloadTooLarge
+from server.services import training
+
+router = APIRouter()
+
+
+@router.post("/forward_backward", openapi_extra={"requestBody": {"content": {"application/x-protobuf": {}}}})
+async def forward_backward(request: Request, ctx: Ctx, tenant: Tenant) -> UntypedFuture:
+    body = bytearray()
+    async for chunk in request.stream():  # bounded read: stop at the limit rather than buffer anything
+        body += chunk
+        if len(body) > ctx.settings.max_request_bytes:
+            raise PayloadTooLarge(f"request body exceeds the limit of {ctx.settings.max_request_bytes} bytes")
+    return await training.forward_backward(ctx, tenant, bytes(body), request.headers.get("content-encoding"))
+
+
+@router.post("/optim_step")
+async def optim_step(req: OptimStepRequest, ctx: Ctx, tenant: Tenant) -> UntypedFuture:
+    return await training.optim_step(ctx, tenant, req)
+
+
+@router.post("/save_weights")
+async def save_weights(req: SaveWeightsRequest, ctx: Ctx, tenant: Tenant) -> UntypedFuture:
+    return await training.save_weights(ctx, tenant, req)
+
+
+@router.post("/save_weights_for_sampler")
+async def save_weights_for_sampler(req: SaveWeightsForSamplerRequest, ctx: Ctx, tenant: Tenant) -> UntypedFuture:
+    return await training.save_weights_for_sampler(ctx, tenant, req)
+
+
+@router.post("/load_weights")
+async def load_weights(req: LoadWeightsRequest, ctx: Ctx, tenant: Tenant) -> UntypedFuture:
+    return await training.load_weights(ctx, tenant, req)

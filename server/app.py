@@ -1,0 +1,70 @@
+"""create_app: the FastAPI gateway. The lifespan builds the database and service context; routes are thin."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from api_schemas.models import ServedModel
+from jobqueue.base import JobQueue
+from server.api.tinker import bootstrap, futures, models, sessions, training
+from server.config import Settings
+from server.db.database import Database
+from server.errors import DomainError
+from server.services.context import Context
+
+log = logging.getLogger(__name__)
+
+Background = Callable[[], Awaitable[None]]
+
+
+def create_app(
+    settings: Settings,
+    queue: JobQueue,
+    served: dict[str, ServedModel],
+    background: Sequence[Background] = (),
+) -> FastAPI:
+    """`background` are long-running coroutines started with the app (the in-process workers in embedded mode)."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        db = Database(settings.sqlalchemy_url)
+        await db.create_schema()
+        app.state.ctx = Context(settings=settings, db=db, queue=queue, models=served)
+        tasks = [asyncio.create_task(fn()) for fn in background]
+        for t in tasks:
+            t.add_done_callback(_log_crash)
+        try:
+            yield
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await queue.close()
+            await db.close()
+
+    app = FastAPI(title="Twinkle server", version="0.1.0", lifespan=lifespan)
+    for module in (bootstrap, sessions, models, training, futures):
+        app.include_router(module.router, prefix="/api/v1", tags=["tinker"])
+
+    @app.exception_handler(DomainError)
+    async def _domain_error(_: Request, e: DomainError) -> JSONResponse:
+        return JSONResponse({"detail": e.message, "category": e.category}, status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
+        errors = [{"loc": list(err.get("loc", ())), "msg": err.get("msg", "")} for err in e.errors()]
+        return JSONResponse({"detail": "invalid request body", "errors": errors, "category": "user"}, status_code=422)
+
+    return app
+
+
+def _log_crash(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("background task crashed", exc_info=task.exception())

@@ -1,0 +1,1 @@
+"""API keys: generation (tml- prefix), hashing, and key -> tenant resolution."""

@@ -1,0 +1,48 @@
+"""The one settings object of a process: env prefix TWINKLE_, command-line flags override env, validated at start."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_BASE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TWINKLE_", extra="ignore")
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    data_dir: Path = Path("./twinkle-data")
+    base_model: str = DEFAULT_BASE_MODEL
+    database_url: str | None = None  # default: SQLite file in data_dir
+    redis_url: str | None = None  # set -> Redis queue (cluster wiring); unset -> in-process queue
+    backend: Literal["embedded", "ray"] = "embedded"
+    dtype: Literal["float32", "bfloat16", "float16", "float64"] = "float32"
+    device: str = "cpu"
+
+    long_poll_seconds: float = Field(25.0, gt=0, lt=40)  # the SDK times retrieve_future out at 45 s
+    result_ttl_seconds: float = Field(900.0, ge=300)
+    seq_gap_timeout_seconds: float = Field(60.0, gt=0)
+    session_timeout_seconds: float = Field(900.0, gt=0)
+
+    max_request_bytes: int = Field(64 * 1024 * 1024, gt=0)
+    max_datums_per_request: int = Field(4096, gt=0)
+    max_lora_rank: int = Field(128, gt=0)
+    log_level: str = "INFO"
+
+    @field_validator("data_dir")
+    @classmethod
+    def _absolute(cls, v: Path) -> Path:
+        return v.expanduser().resolve()
+
+    @property
+    def sqlalchemy_url(self) -> str:
+        return self.database_url or f"sqlite+aiosqlite:///{self.data_dir / 'twinkle.db'}"
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.data_dir / "checkpoints"

@@ -1,0 +1,94 @@
+"""SQLAlchemy 2.0 rows. Only repositories read and write them; services get rows, routes get wire types."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy import JSON, Boolean, DateTime, ForeignKey, Integer, String, UniqueConstraint
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class TenantRow(Base):
+    __tablename__ = "tenants"
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class ApiKeyRow(Base):
+    __tablename__ = "api_keys"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), index=True)
+    key_hash: Mapped[str] = mapped_column(String(128), unique=True)
+    prefix: Mapped[str] = mapped_column(String(32))  # first characters, to recognise a key in listings
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class SessionRow(Base):
+    __tablename__ = "sessions"
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), index=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    last_heartbeat_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    finish_reason: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    finish_detail: Mapped[str | None] = mapped_column(String(2048), nullable=True)
+    tags: Mapped[list[str]] = mapped_column(JSON, default=list)
+    user_metadata: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    project_id: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    display_name: Mapped[str | None] = mapped_column(String(256), nullable=True)
+    sdk_version: Mapped[str | None] = mapped_column(String(32), nullable=True)
+
+
+class ModelRow(Base):
+    """A training run: one LoRA adapter of one tenant on one base model."""
+
+    __tablename__ = "models"
+    id: Mapped[str] = mapped_column(String(128), primary_key=True)  # "{session_id}:train:{model_seq_id}"
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), index=True)
+    session_id: Mapped[str] = mapped_column(ForeignKey("sessions.id"), index=True)
+    model_seq_id: Mapped[int] = mapped_column(Integer)
+    base_model: Mapped[str] = mapped_column(String(256))
+    lora_rank: Mapped[int] = mapped_column(Integer)
+    seed: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    train_attn: Mapped[bool] = mapped_column(Boolean, default=True)
+    train_mlp: Mapped[bool] = mapped_column(Boolean, default=True)
+    train_unembed: Mapped[bool] = mapped_column(Boolean, default=True)
+    optimizer: Mapped[str] = mapped_column(String(32), default="adamw")
+    create_request_id: Mapped[str] = mapped_column(String(64))
+    user_metadata: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    last_request_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    __table_args__ = (UniqueConstraint("session_id", "model_seq_id"),)
+
+
+class CheckpointRow(Base):
+    __tablename__ = "checkpoints"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), index=True)
+    model_id: Mapped[str] = mapped_column(ForeignKey("models.id"), index=True)
+    kind: Mapped[str] = mapped_column(String(32))  # weights | sampler_weights | external_weights
+    name: Mapped[str] = mapped_column(String(256))
+    storage_key: Mapped[str] = mapped_column(String(1024))
+    request_id: Mapped[str] = mapped_column(String(64))
+    status: Mapped[str] = mapped_column(String(16), default="pending")  # pending | ready | failed
+    size_bytes: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    public: Mapped[bool] = mapped_column(Boolean, default=False)
+    user_metadata: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    __table_args__ = (UniqueConstraint("model_id", "kind", "name"),)
+
+    @property
+    def tinker_path(self) -> str:
+        return f"tinker://{self.model_id}/{self.kind}/{self.name}"

@@ -1,0 +1,76 @@
+"""All SQL of the gateway. Every lookup of a tenant-owned row takes the tenant id, so ownership is never skipped."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Sequence
+
+from sqlalchemy import func, select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from server.db.models import ApiKeyRow, CheckpointRow, ModelRow, SessionRow, TenantRow, utcnow
+
+
+# --- tenants and keys ---
+async def tenant_by_name(s: AsyncSession, name: str) -> TenantRow | None:
+    return (await s.execute(select(TenantRow).where(TenantRow.name == name))).scalar_one_or_none()
+
+
+async def add(s: AsyncSession, row: object) -> None:
+    s.add(row)
+    await s.flush()
+
+
+async def active_key_by_hash(s: AsyncSession, key_hash: str) -> ApiKeyRow | None:
+    q = select(ApiKeyRow).where(ApiKeyRow.key_hash == key_hash, ApiKeyRow.revoked_at.is_(None))
+    return (await s.execute(q)).scalar_one_or_none()
+
+
+async def list_keys(s: AsyncSession) -> Sequence[tuple[ApiKeyRow, TenantRow]]:
+    q = select(ApiKeyRow, TenantRow).join(TenantRow, TenantRow.id == ApiKeyRow.tenant_id).order_by(ApiKeyRow.id)
+    return [(k, t) for k, t in (await s.execute(q)).all()]
+
+
+async def key_by_id(s: AsyncSession, key_id: int) -> ApiKeyRow | None:
+    return await s.get(ApiKeyRow, key_id)
+
+
+# --- sessions ---
+async def session_of(s: AsyncSession, tenant_id: str, session_id: str) -> SessionRow | None:
+    row = await s.get(SessionRow, session_id)
+    return row if row is not None and row.tenant_id == tenant_id else None
+
+
+async def touch_session(s: AsyncSession, row: SessionRow) -> None:
+    row.last_heartbeat_at = utcnow()
+
+
+# --- models (training runs) ---
+async def model_of(s: AsyncSession, tenant_id: str, model_id: str) -> ModelRow | None:
+    row = await s.get(ModelRow, model_id)
+    return row if row is not None and row.tenant_id == tenant_id else None
+
+
+async def model_by_id(s: AsyncSession, model_id: str) -> ModelRow | None:
+    return await s.get(ModelRow, model_id)
+
+
+# --- checkpoints ---
+async def checkpoint(s: AsyncSession, model_id: str, kind: str, name: str) -> CheckpointRow | None:
+    q = select(CheckpointRow).where(
+        CheckpointRow.model_id == model_id, CheckpointRow.kind == kind, CheckpointRow.name == name
+    )
+    return (await s.execute(q)).scalar_one_or_none()
+
+
+async def checkpoints_by_request(s: AsyncSession, request_id: str) -> Sequence[CheckpointRow]:
+    return (await s.execute(select(CheckpointRow).where(CheckpointRow.request_id == request_id))).scalars().all()
+
+
+async def pending_checkpoints(s: AsyncSession, older_than: datetime) -> Sequence[CheckpointRow]:
+    q = select(CheckpointRow).where(CheckpointRow.status == "pending", CheckpointRow.created_at < older_than)
+    return (await s.execute(q)).scalars().all()
+
+
+async def count_models(s: AsyncSession, tenant_id: str) -> int:
+    return int((await s.execute(select(func.count()).where(ModelRow.tenant_id == tenant_id))).scalar_one())

@@ -1,0 +1,45 @@
+"""What every service needs, built once in the app lifespan."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+from api_schemas.jobs import Job, Payload
+from api_schemas.models import ServedModel
+from jobqueue.base import DuplicateJobMismatch, JobQueue
+from server.config import Settings
+from server.db.database import Database
+from server.errors import BadRequest, NotFound
+
+
+@dataclass
+class Context:
+    settings: Settings
+    db: Database
+    queue: JobQueue
+    models: dict[str, ServedModel]  # served base models by name
+
+    def served(self, base_model: str) -> ServedModel:
+        model = self.models.get(base_model)
+        if model is None:
+            raise NotFound(f"base model {base_model!r} is not served here; available: {sorted(self.models)}")
+        return model
+
+    async def submit(
+        self, *, tenant_id: str, base_model: str, model_id: str, seq_id: int, payload: Payload, result_type: str
+    ) -> str:
+        """Queue one job, idempotent on (model_id, seq_id): a retry gets the first request's id."""
+        job = Job(
+            job_id=str(uuid.uuid4()),
+            tenant_id=tenant_id,
+            base_model=base_model,
+            model_id=model_id,
+            seq_id=seq_id,
+            payload=payload,
+            result_type=result_type,
+        )
+        try:
+            return await self.queue.submit(job, dedup_key=f"{model_id}#{seq_id}")
+        except DuplicateJobMismatch as e:
+            raise BadRequest(f"seq_id {seq_id} of {model_id} was already used for a different request ({e})") from e

@@ -1,0 +1,189 @@
+"""Training operations: validate, then queue in the model's seq_id order. A request rejected here still consumes
+its seq_id (a Skip job), so the model's later operations are not held back waiting for it."""
+
+from __future__ import annotations
+
+from api_schemas.jobs import AdamSpec, ForwardBackward, LoadWeights, OptimStep, Payload, SaveWeights, Skip
+from api_schemas.tinker.proto import ProtoDecodeError, decode_forward_backward, decompress, parse_forward_backward
+from api_schemas.tinker.types import (
+    LoadWeightsRequest,
+    OptimStepRequest,
+    SaveWeightsForSamplerRequest,
+    SaveWeightsRequest,
+    UntypedFuture,
+)
+from server.db import repositories as repo
+from server.db.models import CheckpointRow, ModelRow
+from server.errors import BadRequest, DomainError, PayloadTooLarge
+from server.services import checkpoints as ckpt
+from server.services.context import Context
+from server.services.models import model_id_for, owned_model
+from server.services.sessions import live_session
+from server.services.validation import check_forward_backward
+
+
+async def _queue_op(ctx: Context, tenant_id: str, model: ModelRow, seq_id: int, build, result_type: str) -> UntypedFuture:  # type: ignore[no-untyped-def]
+    """Run `build()` (validation + payload); on a user error queue a Skip for the seq_id, then re-raise."""
+    try:
+        payload: Payload = await build()
+    except DomainError as e:
+        if e.status < 500:
+            await _skip(ctx, tenant_id, model, seq_id, e.message)
+        raise
+    request_id = await ctx.submit(
+        tenant_id=tenant_id, base_model=model.base_model, model_id=model.id, seq_id=seq_id, payload=payload,
+        result_type=result_type,
+    )
+    return UntypedFuture(request_id=request_id, model_id=model.id)
+
+
+async def _skip(ctx: Context, tenant_id: str, model: ModelRow, seq_id: int, reason: str) -> None:
+    try:
+        await ctx.submit(
+            tenant_id=tenant_id, base_model=model.base_model, model_id=model.id, seq_id=seq_id,
+            payload=Skip(reason=reason[:500]), result_type="Skip",
+        )
+    except BadRequest:
+        pass  # the seq_id already holds a real job (a bad retry of a good request): nothing to unblock
+
+
+async def forward_backward(ctx: Context, tenant_id: str, body: bytes, content_encoding: str | None) -> UntypedFuture:
+    limit = ctx.settings.max_request_bytes
+    if len(body) > limit:
+        raise PayloadTooLarge(f"request body of {len(body)} bytes exceeds the limit of {limit}")
+    try:
+        raw = decompress(body, content_encoding)
+        msg = parse_forward_backward(raw)
+    except ProtoDecodeError as e:
+        raise BadRequest(str(e)) from e
+    model = await owned_model(ctx, tenant_id, msg.model_id)
+
+    async def build() -> Payload:
+        try:
+            req = decode_forward_backward(msg)
+        except ProtoDecodeError as e:
+            raise BadRequest(str(e)) from e
+        check_forward_backward(req, ctx.served(model.base_model), ctx.settings.max_datums_per_request)
+        return ForwardBackward(request_pb=raw, forward_only=req.forward_only)
+
+    return await _queue_op(ctx, tenant_id, model, int(msg.seq_id), build, "ForwardBackwardOutput")
+
+
+async def optim_step(ctx: Context, tenant_id: str, req: OptimStepRequest) -> UntypedFuture:
+    model = await owned_model(ctx, tenant_id, req.model_id)
+
+    async def build() -> Payload:
+        if req.adam_params is None:
+            kind = (req.optimizer_params or {}).get("type", "unknown")
+            raise BadRequest(f"model {model.id} uses the {model.optimizer} optimizer; got parameters for {kind!r}")
+        a = req.adam_params
+        if a.learning_rate < 0 or not (0 <= a.beta1 < 1 and 0 <= a.beta2 < 1) or a.eps < 0:
+            raise BadRequest("adam_params need learning_rate >= 0, 0 <= beta1, beta2 < 1 and eps >= 0")
+        if a.weight_decay < 0 or a.grad_clip_norm < 0:
+            raise BadRequest("adam_params need weight_decay >= 0 and grad_clip_norm >= 0")
+        return OptimStep(adam=AdamSpec(**a.model_dump()))
+
+    return await _queue_op(ctx, tenant_id, model, req.seq_id, build, "OptimStepResponse")
+
+
+async def save_weights(ctx: Context, tenant_id: str, req: SaveWeightsRequest) -> UntypedFuture:
+    model = await owned_model(ctx, tenant_id, req.model_id)
+    return await _save(ctx, tenant_id, model, req.seq_id, "weights", req.path, req.ttl_seconds, req.overwrite,
+                       req.user_metadata, "SaveWeightsResponse")
+
+
+async def save_weights_for_sampler(ctx: Context, tenant_id: str, req: SaveWeightsForSamplerRequest) -> UntypedFuture:
+    model = await owned_model(ctx, tenant_id, req.model_id)
+    if req.path is None:
+        async def reject() -> Payload:
+            raise BadRequest("save_weights_for_sampler without a name (ephemeral sampling clients) is not served yet")
+        return await _queue_op(ctx, tenant_id, model, req.seq_id, reject, "SaveWeightsForSamplerResponse")
+    return await _save(ctx, tenant_id, model, req.seq_id, "sampler_weights", req.path, req.ttl_seconds, True,
+                       req.user_metadata, "SaveWeightsForSamplerResponse")
+
+
+async def _save(ctx: Context, tenant_id: str, model: ModelRow, seq_id: int, kind: str, name: str,  # noqa: PLR0913
+                ttl: int | None, overwrite: bool, metadata: dict[str, str] | None, result_type: str) -> UntypedFuture:
+    tinker_path = f"tinker://{model.id}/{kind}/{name}"
+    key = ckpt.storage_key(tenant_id, model.id, kind, name)
+
+    async def build() -> Payload:
+        expires = ckpt.expiry(ttl)
+        async with ctx.db.session() as s:
+            row = await repo.checkpoint(s, model.id, kind, name)
+            if row is not None and not overwrite:
+                raise BadRequest(f"checkpoint {tinker_path} already exists; pass overwrite=True to replace it")
+            if row is None:
+                row = CheckpointRow(tenant_id=tenant_id, model_id=model.id, kind=kind, name=name, storage_key=key)
+                s.add(row)
+            row.status, row.request_id, row.expires_at = "pending", "", expires
+            row.user_metadata = dict(metadata or {})
+        return SaveWeights(storage_key=key, tinker_path=tinker_path, with_optimizer=kind == "weights")
+
+    async with ctx.db.session() as s:  # a retry of the same save (same seq_id) gets the same future back
+        existing = await repo.checkpoint(s, model.id, kind, name)
+    if existing is not None and existing.request_id and await _same_seq(ctx, existing.request_id, model.id, seq_id):
+        return UntypedFuture(request_id=existing.request_id, model_id=model.id)
+    fut = await _queue_op(ctx, tenant_id, model, seq_id, build, result_type)
+    async with ctx.db.session() as s:
+        row = await repo.checkpoint(s, model.id, kind, name)
+        if row is not None:
+            row.request_id = fut.request_id
+    return fut
+
+
+async def _same_seq(ctx: Context, request_id: str, model_id: str, seq_id: int) -> bool:
+    return await ctx.queue.dedup_id(f"{model_id}#{seq_id}") == request_id
+
+
+async def load_weights(ctx: Context, tenant_id: str, req: LoadWeightsRequest) -> UntypedFuture:
+    if req.session_id is not None and req.model_seq_id is not None:
+        return await _create_via_load(ctx, tenant_id, req)
+    if req.model_id is None or req.seq_id is None:
+        raise BadRequest("load_weights needs either session_id + model_seq_id or model_id + seq_id")
+    model = await owned_model(ctx, tenant_id, req.model_id)
+
+    async def build() -> Payload:
+        source = await ckpt.readable(ctx, tenant_id, req.path)
+        return _load_payload(source, req.optimizer, create=False)
+
+    return await _queue_op(ctx, tenant_id, model, req.seq_id, build, "LoadWeightsResponse")
+
+
+def _load_payload(source: CheckpointRow, optimizer: bool, create: bool) -> LoadWeights:
+    if source.kind == "external_weights":
+        raise BadRequest("external_weights exports cannot be loaded for training; load a weights/ checkpoint")
+    if optimizer and source.kind != "weights":
+        raise BadRequest("optimizer state exists only in weights/ (save_state) checkpoints")
+    return LoadWeights(storage_key=source.storage_key, with_optimizer=optimizer, create=create)
+
+
+async def _create_via_load(ctx: Context, tenant_id: str, req: LoadWeightsRequest) -> UntypedFuture:
+    assert req.session_id is not None and req.model_seq_id is not None
+    await live_session(ctx, tenant_id, req.session_id)
+    model_id = model_id_for(req.session_id, req.model_seq_id)
+    async with ctx.db.session() as s:
+        existing = await repo.model_by_id(s, model_id)
+    if existing is not None:
+        if existing.tenant_id != tenant_id:
+            raise BadRequest(f"model slot {model_id} is taken")
+        return UntypedFuture(request_id=existing.create_request_id, model_id=model_id)
+    source = await ckpt.readable(ctx, tenant_id, req.path)
+    payload = _load_payload(source, req.optimizer, create=True)
+    async with ctx.db.session() as s:
+        origin = await repo.model_by_id(s, source.model_id)
+        assert origin is not None
+        if req.base_model is not None and req.base_model != origin.base_model:
+            raise BadRequest(f"checkpoint was trained on {origin.base_model}, not {req.base_model}")
+        row = ModelRow(
+            id=model_id, tenant_id=tenant_id, session_id=req.session_id, model_seq_id=req.model_seq_id,
+            base_model=origin.base_model, lora_rank=origin.lora_rank, seed=origin.seed, train_attn=origin.train_attn,
+            train_mlp=origin.train_mlp, train_unembed=origin.train_unembed, optimizer=origin.optimizer,
+            create_request_id="", user_metadata=req.user_metadata or {},
+        )
+        await repo.add(s, row)
+        row.create_request_id = await ctx.submit(
+            tenant_id=tenant_id, base_model=origin.base_model, model_id=model_id, seq_id=0, payload=payload,
+            result_type="LoadWeightsResponse",
+        )
+    return UntypedFuture(request_id=row.create_request_id, model_id=model_id)

@@ -1,0 +1,49 @@
+"""Checks a forward_backward request against the served model before anything is queued (-> 400 with a reason)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from api_schemas.models import ServedModel
+from api_schemas.tinker.losses import LossSpecError, validate_loss_request
+from api_schemas.tinker.proto import DecodedForwardBackward
+from server.errors import BadRequest
+
+
+def check_forward_backward(req: DecodedForwardBackward, served: ServedModel, max_datums: int) -> None:
+    if not req.data:
+        raise BadRequest("forward_backward needs at least one datum")
+    if len(req.data) > max_datums:
+        raise BadRequest(f"{len(req.data)} datums in one request; the limit is {max_datums}")
+    try:
+        validate_loss_request(req.loss_fn, [set(d.inputs) for d in req.data], req.loss_fn_config)
+    except LossSpecError as e:
+        raise BadRequest(str(e)) from e
+    for i, d in enumerate(req.data):
+        n = len(d.tokens)
+        if n == 0:
+            raise BadRequest(f"datum {i}: model_input is empty")
+        if n > served.max_context:
+            raise BadRequest(f"datum {i}: {n} tokens exceed the model's context of {served.max_context}")
+        _check_ids(f"datum {i}: model_input", d.tokens, served.vocab_size)
+        targets = d.inputs.get("target_tokens")
+        if targets is not None:
+            if targets.dtype.kind != "i":
+                raise BadRequest(f"datum {i}: target_tokens must be int64")
+            if targets.ndim not in (1, 2) or targets.shape[0] != n:
+                raise BadRequest(
+                    f"datum {i}: target_tokens has shape {list(targets.shape)}; expected ({n},) or ({n}, K)"
+                )
+            _check_ids(f"datum {i}: target_tokens", targets, served.vocab_size)
+        for name, arr in d.inputs.items():
+            if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+                raise BadRequest(f"datum {i}: loss_fn_inputs[{name!r}] contains NaN or Inf")
+            if arr.ndim == 0 or arr.shape[0] != n:
+                raise BadRequest(
+                    f"datum {i}: loss_fn_inputs[{name!r}] has shape {list(arr.shape)}; its first dimension must be {n}"
+                )
+
+
+def _check_ids(what: str, ids: np.ndarray, vocab: int) -> None:
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+        raise BadRequest(f"{what} holds token ids outside the vocabulary [0, {vocab})")

@@ -1,0 +1,1 @@
+"""The compute side: jobqueue -> dispatcher -> scheduler -> engine. Never imports server/ or FastAPI."""

@@ -1,0 +1,1 @@
+"""Checkpoint storage and hub push."""

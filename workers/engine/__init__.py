@@ -1,0 +1,1 @@
+"""Training engine: one base model, a pool of per-tenant LoRA adapters, losses and optimizers."""

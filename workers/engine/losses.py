@@ -1,0 +1,193 @@
+"""Tinker loss functions on the learner's target-token log-probabilities (the math behind forward_backward).
+
+Every loss is a per-token ("elementwise") loss SUMMED over tokens and datums, as Tinker does (never averaged).
+Names, required inputs and config defaults come from `api_schemas.tinker.losses`, the table the gateway also
+validates with. Notation as in the Tinker docs: lp = learner logprobs, q = sampler logprobs
+(`loss_fn_inputs["logprobs"]`), A = advantages, r = exp(lp - q), sg = stop-gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+import torch
+
+from api_schemas.tinker.losses import LossSpecError, resolve_loss_config, validate_loss_request
+
+__all__ = ["LossOutput", "LossSpecError", "compute_loss"]
+
+
+@dataclass
+class LossOutput:
+    loss: torch.Tensor  # scalar, differentiable w.r.t. the logprobs; SUM over datums and tokens
+    outputs: list[dict[str, torch.Tensor]]  # per datum: "logprobs" (+ "elementwise_loss" for cross_entropy)
+    metrics: dict[str, float]  # "name:reduction" keys; always "loss:sum"
+
+
+@dataclass
+class _Datum:
+    index: int
+    lp: torch.Tensor  # learner logprobs, shape of target_tokens
+    x: dict[str, torch.Tensor]  # float inputs cast to lp's dtype/device, same shape as lp (thresholds broadcast)
+
+
+# A loss body returns the per-token loss (lp's shape) and the number of tokens whose ratio was clipped (or None).
+_Body = Callable[[_Datum, Mapping[str, float]], tuple[torch.Tensor, "torch.Tensor | None"]]
+
+
+def _cross_entropy(d: _Datum, cfg: Mapping[str, float]) -> tuple[torch.Tensor, None]:
+    # Weights may be any real number: the SDK's client-side custom loss sends weights = -dLoss/dlogprobs.
+    return -d.lp * d.x["weights"], None
+
+
+def _ratio(d: _Datum) -> torch.Tensor:
+    return torch.exp(d.lp - d.x["logprobs"])
+
+
+def _importance_sampling(d: _Datum, cfg: Mapping[str, float]) -> tuple[torch.Tensor, None]:
+    return -(_ratio(d) * d.x["advantages"]), None
+
+
+def _bounds(d: _Datum, cfg: Mapping[str, float]) -> tuple[torch.Tensor, torch.Tensor]:
+    # Per-datum / per-token thresholds sent as loss_fn_inputs take precedence over loss_fn_config.
+    # Both bounds are tensors because torch.clamp cannot mix a tensor bound with a number.
+    def bound(key: str) -> torch.Tensor:
+        given = d.x.get(key)
+        return given if given is not None else torch.tensor(cfg[key], dtype=d.lp.dtype, device=d.lp.device)
+
+    return bound("clip_low_threshold"), bound("clip_high_threshold")
+
+
+def _clipped_count(ratio: torch.Tensor, adv: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    # Only tokens that carry an advantage matter; prompt positions (A = 0, q = 0) would otherwise dominate.
+    outside = (ratio < lo) | (ratio > hi)
+    return (outside & (adv != 0)).sum()
+
+
+def _ppo(d: _Datum, cfg: Mapping[str, float]) -> tuple[torch.Tensor, torch.Tensor]:
+    ratio, adv = _ratio(d), d.x["advantages"]
+    lo, hi = _bounds(d, cfg)
+    objective = torch.min(ratio * adv, torch.clamp(ratio, lo, hi) * adv)
+    return -objective, _clipped_count(ratio.detach(), adv, lo, hi)
+
+
+def _cispo(d: _Datum, cfg: Mapping[str, float]) -> tuple[torch.Tensor, torch.Tensor]:
+    ratio, adv = _ratio(d), d.x["advantages"]
+    lo, hi = _bounds(d, cfg)
+    coeff = torch.clamp(ratio, lo, hi).detach()
+    return -(coeff * d.lp * adv), _clipped_count(ratio.detach(), adv, lo, hi)
+
+
+def _dro(d: _Datum, cfg: Mapping[str, float]) -> tuple[torch.Tensor, None]:
+    q, adv = d.x["logprobs"], d.x["advantages"]
+    return -(d.lp * adv - 0.5 * cfg["beta"] * (d.lp - q) ** 2), None
+
+
+def _gspo(d: _Datum, cfg: Mapping[str, float]) -> tuple[torch.Tensor, torch.Tensor]:
+    # GSPO-token: every token carries the (detached) sequence ratio's value but its own logprob's gradient.
+    in_ratio = d.x["sequence_ratio_mask"] != 0
+    if not bool(in_ratio.any()):
+        # The documented mean over an empty mask is NaN, which would poison the whole gradient.
+        raise LossSpecError(f"gspo: datum {d.index}: sequence_ratio_mask marks no token (need at least one nonzero)")
+    log_ratio = (d.lp.detach() - d.x["logprobs"])[in_ratio].mean()
+    ratio = torch.exp(log_ratio + d.lp - d.lp.detach())
+    adv = d.x["advantages"]
+    lo, hi = _bounds(d, cfg)
+    objective = torch.min(ratio * adv, torch.clamp(ratio, lo, hi) * adv)
+    return -objective, _clipped_count(ratio.detach(), adv, lo, hi)
+
+
+_BODIES: dict[str, _Body] = {
+    "cross_entropy": _cross_entropy,
+    "importance_sampling": _importance_sampling,
+    "ppo": _ppo,
+    "cispo": _cispo,
+    "dro": _dro,
+    "gspo": _gspo,
+}
+_THRESHOLDS = ("clip_low_threshold", "clip_high_threshold")
+
+
+def _prepare(loss_fn: str, index: int, lp: torch.Tensor, raw: Mapping[str, torch.Tensor]) -> _Datum:
+    where = f"{loss_fn}: datum {index}"
+    targets = raw["target_tokens"]
+    if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
+        raise LossSpecError(f"{where}: target_tokens must be integer token ids, got {targets.dtype}")
+    if targets.dim() not in (1, 2):
+        raise LossSpecError(f"{where}: target_tokens must have shape (N,) or (N, K), got {tuple(targets.shape)}")
+    if tuple(lp.shape) != tuple(targets.shape):
+        raise LossSpecError(
+            f"{where}: learner logprobs have shape {tuple(lp.shape)} but target_tokens {tuple(targets.shape)}"
+        )
+    if not lp.dtype.is_floating_point:
+        raise LossSpecError(f"{where}: learner logprobs must be floating point, got {lp.dtype}")
+    x: dict[str, torch.Tensor] = {}
+    for key, value in raw.items():
+        if key == "target_tokens":
+            continue
+        if value.dtype.is_complex or value.dtype == torch.bool:
+            raise LossSpecError(f"{where}: loss_fn_inputs[{key!r}] must be real numbers, got {value.dtype}")
+        t = value.to(device=lp.device, dtype=lp.dtype)
+        if key in _THRESHOLDS and t.numel() == 1:
+            t = t.reshape(())  # one threshold for the whole datum
+        elif tuple(t.shape) != tuple(targets.shape):
+            raise LossSpecError(
+                f"{where}: loss_fn_inputs[{key!r}] has shape {tuple(t.shape)}, "
+                f"expected the shape of target_tokens {tuple(targets.shape)}"
+            )
+        # +inf is a legal "no upper clip"; everything else must be finite or the sum becomes NaN/inf.
+        bad = torch.isnan(t) if key == "clip_high_threshold" else ~torch.isfinite(t)
+        if bool(bad.any()):
+            raise LossSpecError(f"{where}: loss_fn_inputs[{key!r}] contains non-finite values")
+        x[key] = t
+    if any(k in x for k in _THRESHOLDS):
+        _check_tensor_thresholds(where, x)
+    return _Datum(index, lp, x)
+
+
+def _check_tensor_thresholds(where: str, x: dict[str, torch.Tensor]) -> None:
+    lo, hi = x.get("clip_low_threshold"), x.get("clip_high_threshold")
+    if lo is not None and bool((lo < 0).any()):
+        raise LossSpecError(f"{where}: clip_low_threshold must be >= 0")
+    if lo is not None and hi is not None and bool((hi < lo).any()):
+        raise LossSpecError(f"{where}: clip_high_threshold must be >= clip_low_threshold at every position")
+
+
+def compute_loss(
+    loss_fn: str,
+    logprobs: list[torch.Tensor],
+    inputs: list[dict[str, torch.Tensor]],
+    config: dict[str, float | str],
+) -> LossOutput:
+    """The summed loss of one chunk, its per-datum outputs and its metrics; raises LossSpecError on bad input."""
+    if len(logprobs) != len(inputs):
+        raise LossSpecError(f"{loss_fn}: {len(logprobs)} logprob tensors for {len(inputs)} datums")
+    validate_loss_request(loss_fn, [set(d) for d in inputs], config)
+    cfg = resolve_loss_config(loss_fn, config)
+    body = _BODIES[loss_fn]
+
+    # Prepare (validate) every datum first so a bad datum fails the chunk before any math runs.
+    datums = [_prepare(loss_fn, i, lp, raw) for i, (lp, raw) in enumerate(zip(logprobs, inputs))]
+    per_datum: list[torch.Tensor] = []
+    outputs: list[dict[str, torch.Tensor]] = []
+    clipped_total = 0
+    any_clipped_metric = False
+    for d in datums:
+        elementwise, clipped = body(d, cfg)
+        per_datum.append(elementwise.sum())
+        out = {"logprobs": d.lp.detach()}
+        if loss_fn == "cross_entropy":
+            # Shape (N,) even for (N, K) targets: the per-position loss summed over the K candidates.
+            per_position = elementwise.detach()
+            out["elementwise_loss"] = per_position.sum(dim=1) if per_position.dim() == 2 else per_position
+        outputs.append(out)
+        if clipped is not None:
+            any_clipped_metric = True
+            clipped_total += int(clipped)
+
+    loss = torch.stack(per_datum).sum()
+    metrics = {"loss:sum": float(loss.detach())}
+    if any_clipped_metric:
+        metrics["clipped_tokens:sum"] = float(clipped_total)
+    return LossOutput(loss=loss, outputs=outputs, metrics=metrics)

@@ -1,0 +1,107 @@
+"""Our own LoRA layer around the base model's linear layers, able to run rows of different adapters in one pass.
+
+Each wrapped layer holds one (A, B, scale) per adapter id. Before a forward pass the engine sets a *routing*:
+a list of contiguous row ranges of the batch and the adapter each range goes through (None = base model only).
+Weights keep PEFT's layout and names, so an adapter saves and loads as a PEFT adapter folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+from torch import nn
+
+ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+UNEMBED_MODULES = ("lm_head",)
+
+
+@dataclass(frozen=True)
+class Route:
+    adapter_id: str | None
+    start: int
+    stop: int
+
+
+class LoraLinear(nn.Module):
+    """A frozen nn.Linear plus any number of named low-rank adapters, selected per row range."""
+
+    def __init__(self, base: nn.Linear) -> None:
+        super().__init__()
+        self.base = base
+        self.lora_A: dict[str, torch.Tensor] = {}
+        self.lora_B: dict[str, torch.Tensor] = {}
+        self.scale: dict[str, float] = {}
+        self.routes: tuple[Route, ...] = ()
+
+    @property
+    def weight(self) -> torch.Tensor:  # some HF code reads lm_head.weight (e.g. for tied embeddings)
+        return self.base.weight
+
+    def add_adapter(self, adapter_id: str, rank: int, alpha: float, generator: torch.Generator) -> None:
+        w = self.base.weight
+        a = torch.empty(rank, self.base.in_features, dtype=w.dtype)
+        # PEFT's default init: kaiming-uniform A (a=sqrt(5)), zero B, so a new adapter is the identity.
+        bound = 1.0 / math.sqrt(self.base.in_features)
+        a.uniform_(-bound, bound, generator=generator)
+        self.lora_A[adapter_id] = a.to(w.device).requires_grad_(True)
+        self.lora_B[adapter_id] = torch.zeros(self.base.out_features, rank, dtype=w.dtype, device=w.device).requires_grad_(True)
+        self.scale[adapter_id] = alpha / rank
+
+    def remove_adapter(self, adapter_id: str) -> None:
+        for d in (self.lora_A, self.lora_B, self.scale):
+            d.pop(adapter_id, None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        if not self.routes:
+            return y
+        pieces = []
+        for r in self.routes:
+            seg = y[r.start : r.stop]
+            if r.adapter_id is not None and r.adapter_id in self.lora_A:
+                a, b = self.lora_A[r.adapter_id], self.lora_B[r.adapter_id]
+                seg = seg + (x[r.start : r.stop] @ a.t() @ b.t()) * self.scale[r.adapter_id]
+            pieces.append(seg)
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+
+
+def target_module_names(train_attn: bool, train_mlp: bool, train_unembed: bool) -> list[str]:
+    names: list[str] = []
+    if train_attn:
+        names += ATTN_MODULES
+    if train_mlp:
+        names += MLP_MODULES
+    if train_unembed:
+        names += UNEMBED_MODULES
+    return names
+
+
+def wrap_linear_layers(model: nn.Module) -> dict[str, LoraLinear]:
+    """Replace every targetable nn.Linear by a LoraLinear (once); returns {qualified name: layer}."""
+    suffixes = set(ATTN_MODULES + MLP_MODULES + UNEMBED_MODULES)
+    found: dict[str, LoraLinear] = {}
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if child_name in suffixes and isinstance(child, nn.Linear):
+                wrapped = LoraLinear(child)
+                setattr(module, child_name, wrapped)
+                found[f"{name}.{child_name}" if name else child_name] = wrapped
+    return found
+
+
+@contextlib.contextmanager
+def routed(layers: dict[str, LoraLinear], routes: list[Route]) -> Iterator[None]:
+    """Set the row routing on every layer for the duration of one forward (and its backward graph build)."""
+    frozen = tuple(routes)
+    for layer in layers.values():
+        layer.routes = frozen
+    try:
+        yield
+    finally:
+        for layer in layers.values():
+            layer.routes = ()
