@@ -47,6 +47,8 @@ class LossSpec:
 
 _RL_INPUTS = frozenset({"target_tokens", "logprobs", "advantages"})
 _CLIP_INPUTS = frozenset({"clip_low_threshold", "clip_high_threshold"})
+# PPO's documented defaults (epsilon 0.2 each side). The docs give cispo's and gspo's thresholds "similarly to
+# PPO" without restating defaults, so the same ones are used; clients that care pass them explicitly.
 _CLIP_DEFAULTS = MappingProxyType({"clip_low_threshold": 0.8, "clip_high_threshold": 1.2})
 
 _SPECS: tuple[LossSpec, ...] = (

@@ -29,7 +29,7 @@ def batch() -> list[types.Datum]:
 def test_sft_loop_lowers_loss(server: ServerProcess) -> None:
     data = batch()
     with tinker.ServiceClient(base_url=server.base_url, api_key=server.api_key_a) as sc:
-        tc = sc.create_lora_training_client(base_model=server.base_model, rank=8, seed=1)
+        tc = sc.create_lora_training_client(base_model=server.base_model, rank=8, seed=1).result()
         losses = []
         for _ in range(30):
             fb = tc.forward_backward(data, "cross_entropy")
@@ -47,7 +47,7 @@ def test_forward_logprobs_match_peft(server: ServerProcess) -> None:
 
     data = batch()
     with tinker.ServiceClient(base_url=server.base_url, api_key=server.api_key_a) as sc:
-        tc = sc.create_lora_training_client(base_model=server.base_model, rank=4, seed=2)
+        tc = sc.create_lora_training_client(base_model=server.base_model, rank=4, seed=2).result()
         for _ in range(3):  # move B away from zero so the adapter matters
             tc.forward_backward(data, "cross_entropy").result()
             tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()

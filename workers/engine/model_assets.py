@@ -52,6 +52,9 @@ def resolve_base_model(name_or_path: str, data_dir: Path) -> Path:
     if not name:
         raise ModelNotAvailable("No base model configured: pass a local model folder or a Hugging Face Hub id.")
 
+    if name.startswith(MODELSCOPE_PREFIX):
+        return _from_modelscope(name[len(MODELSCOPE_PREFIX) :])
+
     local = Path(name).expanduser()
     if local.is_dir():
         return _validated_folder(local.resolve(), source=name)
@@ -60,9 +63,6 @@ def resolve_base_model(name_or_path: str, data_dir: Path) -> Path:
             f"Base model folder {name!r} does not exist. Pass an existing Hugging Face model folder "
             f"(with config.json, safetensors weights and tokenizer files) or a Hub id such as {DEFAULT_BASE_MODEL!r}."
         )
-
-    if name.startswith(MODELSCOPE_PREFIX):
-        return _from_modelscope(name[len(MODELSCOPE_PREFIX) :])
 
     if name == DEFAULT_BASE_MODEL:
         gguf = _smollm2_gguf_path()
@@ -91,11 +91,14 @@ def convert_gguf_once(gguf_file: Path, target: Path) -> Path:
     """
     if (target / "config.json").is_file():
         return _validated_folder(target, source=str(gguf_file))
+    if not gguf_file.is_file():
+        raise ModelNotAvailable(f"GGUF file {gguf_file} does not exist; reinstall the package that ships it.")
     target.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_partials(target)
     partial = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
     try:
         _convert_gguf(gguf_file, partial)
+        _make_shareable(partial)
         try:
             os.rename(partial, target)
         except OSError:
@@ -183,7 +186,7 @@ def _smollm2_gguf_path() -> Path | None:
 
 def _from_hub(repo_id: str) -> Path:
     """Download (or find in the local cache) a Hub repository's safetensors model files."""
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import HFValidationError
 
     try:
@@ -193,7 +196,8 @@ def _from_hub(repo_id: str) -> Path:
             f"{repo_id!r} is neither an existing local folder nor a valid Hugging Face Hub id ({error})."
         ) from error
     except Exception as error:  # offline without a cache, unknown repo, gated repo, network failure
-        offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in {"1", "true", "yes", "on"}
+        # The library reads HF_HUB_OFFLINE once at import; its constant is what actually applied.
+        offline = bool(constants.HF_HUB_OFFLINE)
         reason = "HF_HUB_OFFLINE is set and it is not in the local cache" if offline else type(error).__name__
         raise ModelNotAvailable(
             f"Base model {repo_id!r} could not be fetched from the Hugging Face Hub ({reason}: {error}). "
@@ -236,6 +240,15 @@ def _looks_like_path(name: str) -> bool:
         or name in {".", ".."}
         or name.count("/") > 1
     )
+
+
+def _make_shareable(folder: Path) -> None:
+    """Make the folder world-readable (mkdtemp and some writers use 0700/0600), so samplers or tools running
+    as another user can read the shared base model. Fixed modes rather than the umask: reading the umask means
+    briefly changing it, which races with other threads creating files."""
+    folder.chmod(0o755)
+    for path in folder.rglob("*"):
+        path.chmod(0o755 if path.is_dir() else 0o644)
 
 
 def _folder_name(model_id: str) -> str:

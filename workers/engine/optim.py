@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["AdamHyper", "AdamState", "NonFiniteGradError", "adam_step"]
+__all__ = ["AdamHyper", "AdamState", "InvalidAdamParamsError", "NonFiniteGradError", "adam_step"]
 
 # clip_grad_norm_ adds this to the norm before dividing; kept so clipping equals torch's bit for bit.
 _CLIP_EPS = 1e-6
@@ -21,6 +21,10 @@ _CLIP_EPS = 1e-6
 
 class NonFiniteGradError(ValueError):
     """The gradient norm is NaN or infinite; the step was refused and the parameters are unchanged."""
+
+
+class InvalidAdamParamsError(ValueError):
+    """AdamParams that torch.optim.AdamW would refuse (a user error); nothing was changed."""
 
 
 @dataclass(frozen=True)
@@ -33,7 +37,7 @@ class AdamHyper:
     grad_clip_norm: float  # <= 0 disables clipping (AdamParams: "0.0 means no clipping")
 
     def validate(self) -> None:
-        """Raise ValueError for values torch.optim.AdamW would refuse (or that would divide by zero)."""
+        """Raise InvalidAdamParamsError for values torch.optim.AdamW would refuse (or that would divide by zero)."""
         checks = [
             (self.learning_rate >= 0, "learning_rate must be >= 0"),
             (0 <= self.beta1 < 1, "beta1 must be in [0, 1)"),
@@ -43,10 +47,10 @@ class AdamHyper:
         ]
         values = (self.learning_rate, self.beta1, self.beta2, self.eps, self.weight_decay, self.grad_clip_norm)
         if not all(math.isfinite(v) for v in values):
-            raise ValueError(f"Adam hyperparameters must be finite numbers: {self}")
+            raise InvalidAdamParamsError(f"Adam hyperparameters must be finite numbers: {self}")
         for ok, message in checks:
             if not ok:
-                raise ValueError(f"{message}: {self}")
+                raise InvalidAdamParamsError(f"{message}: {self}")
 
 
 @dataclass

@@ -31,7 +31,7 @@ from workers.engine.adapter_pool import AdapterError, AdapterPool
 from workers.engine.base_model import BaseModel
 from workers.engine.losses import compute_loss
 from workers.engine.multi_lora import Route, routed
-from workers.engine.optim import AdamHyper, NonFiniteGradError, adam_step
+from workers.engine.optim import AdamHyper, InvalidAdamParamsError, NonFiniteGradError, adam_step
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class Trainer:
         try:
             media_type, body = self._run(job)
             return JobResult(job_id=job.job_id, media_type=media_type, body=body)
-        except (UserJobError, AdapterError, LossSpecError, NonFiniteGradError) as e:
+        except (UserJobError, AdapterError, LossSpecError, NonFiniteGradError, InvalidAdamParamsError) as e:
             log.info("job %s (%s) failed: %s", job.job_id, job.payload.kind, e)
             return JobResult(job_id=job.job_id, error=JobError(category=ErrorCategory.USER, message=str(e)))
         except Exception as e:  # a server fault must fail only this job, never the worker
