@@ -83,14 +83,27 @@ Payload = Annotated[
 ]
 
 
+Lane = Literal["train", "sample"]
+
+
+def queue_name(base_model: str, lane: Lane) -> str:
+    """Jobs travel in one queue per (base model, lane): sampling never waits behind a model's training order."""
+    return f"{base_model}|{lane}"
+
+
 class Job(_Frozen):
     job_id: str
     tenant_id: str
     base_model: str
+    lane: Lane = "train"
     model_id: str
     seq_id: int  # per-model order; 0 for the model's first operation (create / create-via-load)
     payload: Payload
     result_type: str  # tinker result type name, e.g. "ForwardBackwardOutput"; tells retrieve_future the media type
+
+    @property
+    def queue_name(self) -> str:
+        return queue_name(self.base_model, self.lane)
 
     def fingerprint(self) -> str:
         """Hash of what the job asks for (not of its id): a retry must carry the same one."""

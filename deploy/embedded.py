@@ -7,6 +7,7 @@ import logging
 
 from fastapi import FastAPI
 
+from api_schemas.jobs import queue_name
 from api_schemas.models import ServedModel
 from jobqueue.local_queue import LocalQueue
 from server.app import create_app
@@ -36,5 +37,5 @@ def build_embedded_app(settings: Settings) -> FastAPI:
     )
     queue = LocalQueue(result_ttl=settings.result_ttl_seconds)
     trainer = Trainer(base, CheckpointStore(settings.checkpoint_dir))
-    dispatcher = Dispatcher(queue, name, trainer.execute, gap_timeout=settings.seq_gap_timeout_seconds)
+    dispatcher = Dispatcher(queue, queue_name(name, "train"), trainer.execute, gap_timeout=settings.seq_gap_timeout_seconds)
     return create_app(settings, queue, {name: served}, background=[dispatcher.run])

@@ -40,8 +40,8 @@ class JobQueue(abc.ABC):
         """The result once it exists, waiting up to `timeout` seconds for a push (never a sleep-poll)."""
 
     @abc.abstractmethod
-    async def fetch(self, base_model: str, timeout: float) -> list[Job]:
-        """Worker side: the jobs queued for `base_model` (at least one, unless `timeout` passed)."""
+    async def fetch(self, queue_name: str, timeout: float) -> list[Job]:
+        """Worker side: the jobs queued under `queue_name` (= Job.queue_name; at least one unless `timeout` passed)."""
 
     @abc.abstractmethod
     async def complete(self, result: JobResult) -> None:

@@ -40,7 +40,7 @@ class LocalQueue(JobQueue):
                 return seen[0]
             self._dedup[dedup_key] = (job.job_id, job.fingerprint())
         self._records[job.job_id] = _Record(job)
-        self._pending[job.base_model].put_nowait(job)
+        self._pending[job.queue_name].put_nowait(job)
         return job.job_id
 
     async def dedup_id(self, dedup_key: str) -> str | None:
@@ -63,8 +63,8 @@ class LocalQueue(JobQueue):
             return None
         return rec.result
 
-    async def fetch(self, base_model: str, timeout: float) -> list[Job]:
-        q = self._pending[base_model]
+    async def fetch(self, queue_name: str, timeout: float) -> list[Job]:
+        q = self._pending[queue_name]
         try:
             first = await asyncio.wait_for(q.get(), timeout)
         except asyncio.TimeoutError:

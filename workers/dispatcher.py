@@ -22,13 +22,13 @@ class Dispatcher:
     def __init__(
         self,
         queue: JobQueue,
-        base_model: str,
+        queue_name: str,
         execute: Callable[[Job], JobResult],
         gap_timeout: float = 30.0,
         fetch_timeout: float = 1.0,
     ) -> None:
         self.queue = queue
-        self.base_model = base_model
+        self.queue_name = queue_name
         self.execute = execute
         self.scheduler = Scheduler(gap_timeout)
         self.fetch_timeout = fetch_timeout
@@ -42,7 +42,7 @@ class Dispatcher:
             deadline = self.scheduler.next_deadline()
             if deadline is not None:
                 timeout = max(0.0, min(timeout, deadline - time.monotonic()))
-            jobs = await self.queue.fetch(self.base_model, timeout)
+            jobs = await self.queue.fetch(self.queue_name, timeout)
             now = time.monotonic()
             for job in jobs:
                 rejection = self.scheduler.add(job, now)
