@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from workers.engine.optim import AdamHyper, AdamState, NonFiniteGradError, adam_step
+from workers.engine.optim import AdamHyper, AdamState, InvalidAdamParamsError, NonFiniteGradError, adam_step
 
 SHAPES = [(4, 8), (8, 3), (5,)]
 # Every AdamParams field changes between steps, as a schedule or a careless client would do.
@@ -187,7 +187,7 @@ def test_invalid_hyperparameters_are_refused_before_any_change(field_value: tupl
     params = _params()
     before = [p.clone() for p in params]
     state = AdamState()
-    with pytest.raises(ValueError, match=name if not math.isnan(value) else "finite"):
+    with pytest.raises(InvalidAdamParamsError, match=name if not math.isnan(value) else "finite"):
         adam_step(params, state, AdamHyper(**{**SCHEDULE[0].__dict__, name: value}), grads=_grads(0))
     _close(params, before)
     assert state.step == 0 and not state.exp_avg
