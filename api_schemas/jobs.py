@@ -78,8 +78,46 @@ class Skip(_Frozen):
     reason: str
 
 
+class WeightsRef(_Frozen):
+    """One immutable weight version a sampler serves: a PEFT adapter folder in the checkpoint store.
+
+    `version` names the bytes, not the place: a sampler caches loaded adapters by it, so two saves never share one
+    (a client keeps sampling the weights it was created from, even after newer saves).
+    """
+
+    storage_key: str
+    version: str
+
+
+class SampleParams(_Frozen):
+    """SamplingParams as the worker runs them; the gateway resolved every default."""
+
+    max_tokens: int
+    temperature: float  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 = off
+    seed: int | None = None
+    stop_strings: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()  # a sampled stop token is returned as the sequence's last token
+    stop_at_eos: bool = True  # the model's EOS token(s) also stop; False only for `stop: []` (no stopping at all)
+
+
+class Sample(_Frozen):
+    """asample / compute_logprobs (lane "sample"): the result body is a serialized tinker_public.SampleResponse."""
+
+    kind: Literal["sample"] = "sample"
+    prompt_tokens: tuple[int, ...]
+    num_samples: int
+    params: SampleParams
+    prompt_logprobs: bool = False
+    topk_prompt_logprobs: int = 0
+    prompt_logprobs_last_n: int | None = None
+    topk_sample_logprobs: int = 0
+    weights: WeightsRef | None = None  # None = the base model alone
+
+
 Payload = Annotated[
-    Union[CreateModel, ForwardBackward, OptimStep, SaveWeights, LoadWeights, Skip], Field(discriminator="kind")
+    Union[CreateModel, ForwardBackward, OptimStep, SaveWeights, LoadWeights, Skip, Sample], Field(discriminator="kind")
 ]
 
 

@@ -97,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--base-model", dest="base_model", help="HF/ModelScope id or a local HF folder")
     serve.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "float64"])
     serve.add_argument("--device")
+    serve.add_argument("--sampler", choices=["torch", "vllm"], help="sampler backend (default torch)")
     serve.add_argument("--log-level", dest="log_level")
     serve.set_defaults(func=_serve)
 

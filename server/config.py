@@ -23,6 +23,10 @@ class Settings(BaseSettings):
     backend: Literal["embedded", "ray"] = "embedded"
     dtype: Literal["float32", "bfloat16", "float16", "float64"] = "float32"
     device: str = "cpu"
+    sampler: Literal["torch", "vllm"] = "torch"  # sampler backend (workers/sampling/)
+    sampler_max_batch_rows: int = Field(64, gt=0)  # sequences decoded together in one forward pass
+    sampler_max_loaded_adapters: int = Field(32, gt=0)  # weight versions a sampler keeps loaded
+    sample_default_max_tokens: int = Field(256, gt=0)  # when a request omits max_tokens
 
     long_poll_seconds: float = Field(25.0, gt=0, lt=40)  # the SDK times retrieve_future out at 45 s
     result_ttl_seconds: float = Field(900.0, ge=300)

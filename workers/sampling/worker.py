@@ -1,0 +1,64 @@
+"""The sample-lane worker loop: fetch `Sample` jobs of one base model and hand each to the sampler backend.
+
+Unlike training there is no per-model order to keep, so every fetched job runs at once as its own task; the
+backend batches whatever is in flight (continuous batching). A failing request fails only its own future.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from api_schemas.jobs import ErrorCategory, Job, JobError, JobResult, Sample
+from jobqueue.base import JobQueue
+from workers.sampling.base import SamplerBackend, SamplerUserError
+
+log = logging.getLogger(__name__)
+
+
+class SamplerWorker:
+    def __init__(self, queue: JobQueue, queue_name: str, backend: SamplerBackend, fetch_timeout: float = 1.0) -> None:
+        self.queue = queue
+        self.queue_name = queue_name
+        self.backend = backend
+        self.fetch_timeout = fetch_timeout
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._stopping = False
+
+    async def run(self) -> None:
+        await self.backend.start()
+        try:
+            while not self._stopping:
+                for job in await self.queue.fetch(self.queue_name, self.fetch_timeout):
+                    task = asyncio.create_task(self._serve(job))
+                    self._tasks.add(task)
+                    task.add_done_callback(self._tasks.discard)
+        finally:
+            for task in list(self._tasks):
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await self.backend.close()
+
+    async def _serve(self, job: Job) -> None:
+        result = await self.execute(job)
+        await self.queue.complete(result)
+
+    async def execute(self, job: Job) -> JobResult:
+        p = job.payload
+        try:
+            if not isinstance(p, Sample):
+                raise SamplerUserError(f"the sampler cannot run {p.kind} jobs")
+            body = await self.backend.sample(p)
+            return JobResult(job_id=job.job_id, media_type="application/x-protobuf", body=body)
+        except SamplerUserError as e:
+            log.info("sample job %s failed: %s", job.job_id, e)
+            return JobResult(job_id=job.job_id, error=JobError(category=ErrorCategory.USER, message=str(e)))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # one request's fault must not stop the sampler
+            log.exception("sample job %s crashed", job.job_id)
+            msg = f"internal error while sampling: {type(e).__name__}"
+            return JobResult(job_id=job.job_id, error=JobError(category=ErrorCategory.SERVER, message=msg))
+
+    def stop(self) -> None:
+        self._stopping = True
