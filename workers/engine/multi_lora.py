@@ -2,6 +2,8 @@
 
 Each wrapped layer holds one (A, B, scale) per adapter id. Before a forward pass the engine sets a *routing*:
 a list of contiguous row ranges of the batch and the adapter each range goes through (None = base model only).
+The routing is per thread, so the trainer and the sampler may run forward passes on the shared base model from
+their own threads at the same time without seeing each other's routes.
 Weights keep PEFT's layout and names, so an adapter saves and loads as a PEFT adapter folder.
 """
 
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -27,6 +30,15 @@ class Route:
     stop: int
 
 
+_routing = threading.local()
+
+
+def current_routes() -> tuple[Route, ...]:
+    """The routing the calling thread set with `routed` (empty: base model only)."""
+    routes: tuple[Route, ...] = getattr(_routing, "routes", ())
+    return routes
+
+
 class LoraLinear(nn.Module):
     """A frozen nn.Linear plus any number of named low-rank adapters, selected per row range."""
 
@@ -36,7 +48,6 @@ class LoraLinear(nn.Module):
         self.lora_A: dict[str, torch.Tensor] = {}
         self.lora_B: dict[str, torch.Tensor] = {}
         self.scale: dict[str, float] = {}
-        self.routes: tuple[Route, ...] = ()
 
     @property
     def weight(self) -> torch.Tensor:  # some HF code reads lm_head.weight (e.g. for tied embeddings)
@@ -58,10 +69,11 @@ class LoraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        if not self.routes:
+        routes = current_routes()
+        if not routes:
             return y
         pieces = []
-        for r in self.routes:
+        for r in routes:
             seg = y[r.start : r.stop]
             if r.adapter_id is not None and r.adapter_id in self.lora_A:
                 a, b = self.lora_A[r.adapter_id], self.lora_B[r.adapter_id]
@@ -96,12 +108,14 @@ def wrap_linear_layers(model: nn.Module) -> dict[str, LoraLinear]:
 
 @contextlib.contextmanager
 def routed(layers: dict[str, LoraLinear], routes: list[Route]) -> Iterator[None]:
-    """Set the row routing on every layer for the duration of one forward (and its backward graph build)."""
-    frozen = tuple(routes)
-    for layer in layers.values():
-        layer.routes = frozen
+    """Set the calling thread's row routing for the duration of one forward (and its backward graph build).
+
+    `layers` names the model being routed; the routing itself is thread-local, so concurrent forwards on other
+    threads (the sampler's, the trainer's) keep their own."""
+    del layers  # every LoraLinear reads the thread's routing; kept in the signature for the callers' clarity
+    previous = current_routes()
+    _routing.routes = tuple(routes)
     try:
         yield
     finally:
-        for layer in layers.values():
-            layer.routes = ()
+        _routing.routes = previous
