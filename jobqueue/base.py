@@ -1,15 +1,27 @@
-"""The queue interface both wirings implement: the in-process queue (embedded) and Redis Streams (cluster)."""
+"""The queue interface both wirings implement: the in-process queue (embedded) and Redis Streams (cluster).
+
+Gateway side: submit / dedup_id / info / wait_result / wait_feed / cancel.
+Worker side: fetch / complete, and the durable state a restarted worker rebuilds its adapters from
+(recovery_state / record_snapshot); the in-process queue has nothing to recover and keeps the defaults.
+"""
 
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
-from api_schemas.jobs import Job, JobResult, JobState
+from api_schemas.jobs import ErrorCategory, Job, JobError, JobResult, JobState, Skip
+
+CANCELLED = "cancelled by the client"
 
 
 class DuplicateJobMismatch(Exception):
     """A retry reused a natural key (model+seq_id, or an idempotency key) with a different payload."""
+
+
+class LeaseLost(Exception):
+    """This worker no longer holds its base model's lease: another worker took over, so it must stop."""
 
 
 @dataclass(frozen=True)
@@ -19,13 +31,47 @@ class JobInfo:
     state: JobState
 
 
-class JobQueue(abc.ABC):
-    """Gateway side: submit / info / wait_result. Worker side: fetch / complete."""
+@dataclass(frozen=True)
+class Completion:
+    """One event of a feed (the jobs of one sampling session), as retrieve_futures reports it."""
 
+    request_id: str
+    failed: bool
+    size: int | None = None  # bytes of the result body, for a finished job
+
+
+@dataclass(frozen=True)
+class FeedPage:
+    completions: list[Completion]
+    cursor: int  # pass back as `after`; events at or before it are acknowledged and dropped
+
+
+@dataclass(frozen=True)
+class RecoveryState:
+    """What a worker needs to rebuild one model's adapter after the worker that held it died."""
+
+    model_id: str
+    last_seq: int  # highest acknowledged seq_id: the model's line resumes at last_seq + 1
+    snapshot_seq: int | None = None
+    snapshot_key: str | None = None  # checkpoint storage key of the snapshot (weights + optimizer state)
+    ops: list[Job] = field(default_factory=list)  # acknowledged state-changing jobs after the snapshot, seq order
+
+
+def cancelled_result(job_id: str) -> JobResult:
+    return JobResult(job_id=job_id, error=JobError(category=ErrorCategory.USER, message=CANCELLED))
+
+
+def as_skip(job: Job) -> Job:
+    """A cancelled job still holds its seq_id: it reaches the worker as a Skip so later jobs are not held back."""
+    return job.model_copy(update={"payload": Skip(reason=CANCELLED)})
+
+
+class JobQueue(abc.ABC):
     @abc.abstractmethod
-    async def submit(self, job: Job, dedup_key: str | None = None) -> str:
+    async def submit(self, job: Job, dedup_key: str | None = None, feed: str | None = None) -> str:
         """Queue `job` once. A second submit with the same dedup_key returns the first job's id (same payload)
-        or raises DuplicateJobMismatch (different payload)."""
+        or raises DuplicateJobMismatch (different payload). With a `feed`, the job's completion is also
+        reported as an event of that feed (see wait_feed)."""
 
     @abc.abstractmethod
     async def dedup_id(self, dedup_key: str) -> str | None:
@@ -40,12 +86,35 @@ class JobQueue(abc.ABC):
         """The result once it exists, waiting up to `timeout` seconds for a push (never a sleep-poll)."""
 
     @abc.abstractmethod
+    async def wait_feed(self, feed: str, after: int, timeout: float, retrieved: Sequence[str] = ()) -> FeedPage:
+        """Events of `feed` after cursor `after`, waiting up to `timeout` seconds for one if there are none.
+        Events up to `after` are dropped; `retrieved` are job ids of the feed whose results may be dropped."""
+
+    @abc.abstractmethod
+    async def cancel(self, job_id: str) -> bool:
+        """Cancel a job that has not started: it fails with CANCELLED and never runs. False if it already ran
+        or is running (or is unknown)."""
+
+    @abc.abstractmethod
     async def fetch(self, queue_name: str, timeout: float) -> list[Job]:
         """Worker side: the jobs queued under `queue_name` (= Job.queue_name; at least one unless `timeout` passed)."""
 
     @abc.abstractmethod
-    async def complete(self, result: JobResult) -> None:
-        """Worker side: store a job's result and wake its waiters."""
+    async def complete(self, result: JobResult, job: Job | None = None, replay: bool = False) -> None:
+        """Worker side: store a job's result, acknowledge the job and wake its waiters, all at once.
+
+        With `job`, the job was executed in its model's seq order (its seq_id is recorded as the model's last);
+        `replay` marks it as a state change to replay when the model is rebuilt. A result that already exists
+        (a redelivered job) is kept. Raises LeaseLost if this worker lost its base model's lease."""
+
+    async def recovery_state(self, model_id: str) -> RecoveryState | None:
+        """Durable state of a model some worker already ran jobs for; None for a model new to the queue."""
+        return None
+
+    async def record_snapshot(self, model_id: str, seq_id: int, storage_key: str) -> str | None:
+        """Record a durable snapshot of the model taken after `seq_id`; drops the replay log up to it.
+        Returns the storage key of the snapshot it replaces (to delete), if any."""
+        return None
 
     async def close(self) -> None:  # noqa: B027 - optional hook
         pass

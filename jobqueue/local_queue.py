@@ -1,6 +1,7 @@
 """In-process queue for embedded mode: same interface as the Redis queue, asyncio primitives inside.
 
 Results are kept `result_ttl` seconds after completion, so a client may fetch a result more than once.
+Nothing here survives the process, so there is nothing to recover (the recovery hooks keep their defaults).
 """
 
 from __future__ import annotations
@@ -8,19 +9,36 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from api_schemas.jobs import Job, JobResult, JobState
-from jobqueue.base import DuplicateJobMismatch, JobInfo, JobQueue
+from jobqueue.base import (
+    Completion,
+    DuplicateJobMismatch,
+    FeedPage,
+    JobInfo,
+    JobQueue,
+    as_skip,
+    cancelled_result,
+)
 
 
 @dataclass
 class _Record:
     job: Job
+    feed: str | None = None
     state: JobState = JobState.QUEUED
     result: JobResult | None = None
     done: asyncio.Event = field(default_factory=asyncio.Event)
     finished_at: float = 0.0
+
+
+@dataclass
+class _Feed:
+    events: list[tuple[int, Completion]] = field(default_factory=list)
+    next_cursor: int = 1
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class LocalQueue(JobQueue):
@@ -28,9 +46,10 @@ class LocalQueue(JobQueue):
         self._records: dict[str, _Record] = {}
         self._dedup: dict[str, tuple[str, str]] = {}  # dedup key -> (job_id, fingerprint)
         self._pending: dict[str, asyncio.Queue[Job]] = defaultdict(asyncio.Queue)
+        self._feeds: dict[str, _Feed] = defaultdict(_Feed)
         self._result_ttl = result_ttl
 
-    async def submit(self, job: Job, dedup_key: str | None = None) -> str:
+    async def submit(self, job: Job, dedup_key: str | None = None, feed: str | None = None) -> str:
         self._expire()
         if dedup_key is not None:
             seen = self._dedup.get(dedup_key)
@@ -39,7 +58,7 @@ class LocalQueue(JobQueue):
                     raise DuplicateJobMismatch(f"{dedup_key} was already submitted with a different payload")
                 return seen[0]
             self._dedup[dedup_key] = (job.job_id, job.fingerprint())
-        self._records[job.job_id] = _Record(job)
+        self._records[job.job_id] = _Record(job, feed)
         self._pending[job.queue_name].put_nowait(job)
         return job.job_id
 
@@ -63,6 +82,33 @@ class LocalQueue(JobQueue):
             return None
         return rec.result
 
+    async def wait_feed(self, feed: str, after: int, timeout: float, retrieved: Sequence[str] = ()) -> FeedPage:
+        f = self._feeds[feed]
+        f.events = [(c, e) for c, e in f.events if c > after]
+        for job_id in retrieved:
+            rec = self._records.get(job_id)
+            if rec is not None and rec.feed == feed and rec.state is JobState.DONE:
+                del self._records[job_id]
+        deadline = time.monotonic() + timeout
+        while not f.events:
+            f.changed.clear()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                await asyncio.wait_for(f.changed.wait(), left)
+            except asyncio.TimeoutError:
+                break
+        cursor = max((c for c, _ in f.events), default=after)
+        return FeedPage([e for _, e in f.events], cursor)
+
+    async def cancel(self, job_id: str) -> bool:
+        rec = self._records.get(job_id)
+        if rec is None or rec.state is not JobState.QUEUED:
+            return False
+        self._finish(rec, cancelled_result(job_id))
+        return True
+
     async def fetch(self, queue_name: str, timeout: float) -> list[Job]:
         q = self._pending[queue_name]
         try:
@@ -72,17 +118,31 @@ class LocalQueue(JobQueue):
         jobs = [first]
         while not q.empty():
             jobs.append(q.get_nowait())
+        out = []
         for j in jobs:
-            if j.job_id in self._records:
-                self._records[j.job_id].state = JobState.RUNNING
-        return jobs
+            rec = self._records.get(j.job_id)
+            if rec is not None and rec.state is JobState.DONE:  # cancelled while queued
+                out.append(as_skip(j))
+                continue
+            if rec is not None:
+                rec.state = JobState.RUNNING
+            out.append(j)
+        return out
 
-    async def complete(self, result: JobResult) -> None:
+    async def complete(self, result: JobResult, job: Job | None = None, replay: bool = False) -> None:
         rec = self._records.get(result.job_id)
-        if rec is None:
+        if rec is None or rec.result is not None:  # unknown, or already done (cancelled): keep the first result
             return
+        self._finish(rec, result)
+
+    def _finish(self, rec: _Record, result: JobResult) -> None:
         rec.result, rec.state, rec.finished_at = result, JobState.DONE, time.monotonic()
         rec.done.set()
+        if rec.feed is not None:
+            f = self._feeds[rec.feed]
+            f.events.append((f.next_cursor, Completion(result.job_id, not result.ok, len(result.body) if result.ok else None)))
+            f.next_cursor += 1
+            f.changed.set()
 
     def _expire(self) -> None:
         cutoff = time.monotonic() - self._result_ttl

@@ -38,6 +38,14 @@ class Settings(BaseSettings):
     max_lora_rank: int = Field(128, gt=0)
     log_level: str = "INFO"
 
+    # cluster wiring (redis_url set): see jobqueue/redis_queue.py and deploy/worker.py
+    redis_prefix: str = "twinkle"  # every Redis key starts with it (jobqueue/keys.py)
+    gateway_runs_worker: bool = False  # with Redis: also run the base model's trainer inside `serve`
+    job_ttl_seconds: float = Field(86400.0, gt=0)  # how long a queued job (and its dedup key) is remembered
+    worker_lease_seconds: float = Field(10.0, gt=0)  # a dead worker's jobs move on after at most this long
+    reclaim_idle_seconds: float = Field(30.0, gt=0)  # another consumer's unacknowledged job is claimed after this
+    snapshot_every_steps: int = Field(10, gt=0)  # optim_steps between durable adapter snapshots
+
     @field_validator("data_dir")
     @classmethod
     def _absolute(cls, v: Path) -> Path:

@@ -63,6 +63,11 @@ class Scheduler:
         ]
         return min(times) if times else None
 
+    def resume(self, model_id: str, next_seq: int) -> None:
+        """Continue a model's line at `next_seq`: its earlier jobs ran on a worker that has since died."""
+        line = self._lines.setdefault(model_id, _Line(next_seq=next_seq))
+        line.next_seq = max(line.next_seq, next_seq)
+
     def forget(self, model_id: str) -> None:
         self._lines.pop(model_id, None)
 

@@ -1,0 +1,69 @@
+"""Every Redis key and channel name the queue uses, in one place.
+
+All names start with a configurable prefix, so several deployments (or test runs) can share one Redis.
+Keys of one job, model or base model are listed with what they hold and how long they live.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GROUP = "workers"  # the consumer group of every job stream
+
+
+@dataclass(frozen=True)
+class Keys:
+    prefix: str = "twinkle"
+
+    def stream(self, queue_name: str) -> str:
+        """Stream of queued jobs of one queue, i.e. one (base model, lane) (fields: id, job). Entries are deleted
+        once acknowledged."""
+        return f"{self.prefix}:stream:{queue_name}"
+
+    def job(self, job_id: str) -> str:
+        """Hash: tenant, rtype, state, model, seq, base, feed, entry. Job TTL while queued, result TTL once done."""
+        return f"{self.prefix}:job:{job_id}"
+
+    def result(self, job_id: str) -> str:
+        """Hash: media, body (raw bytes), cat, msg, delivered. Expires `result_ttl` after completion and again
+        `result_ttl` after its first delivery."""
+        return f"{self.prefix}:result:{job_id}"
+
+    def dedup(self, dedup_key: str) -> str:
+        """String "job_id|payload fingerprint", set with NX; lives as long as a queued job may."""
+        return f"{self.prefix}:dedup:{dedup_key}"
+
+    def feed(self, feed: str) -> str:
+        """Sorted set of completion events of one feed (a sampling session), scored by cursor."""
+        return f"{self.prefix}:feed:{feed}"
+
+    def feed_seq(self, feed: str) -> str:
+        """Counter handing out the feed's cursors."""
+        return f"{self.prefix}:feedseq:{feed}"
+
+    def oplog(self, model_id: str) -> str:
+        """Sorted set of the acknowledged state-changing jobs of one model after its last snapshot, scored by
+        seq_id (member: the job JSON). Replayed on top of the snapshot when a worker rebuilds the model."""
+        return f"{self.prefix}:oplog:{model_id}"
+
+    def last_seq(self, model_id: str) -> str:
+        """The highest seq_id of the model whose job was executed and acknowledged."""
+        return f"{self.prefix}:lastseq:{model_id}"
+
+    def snapshot(self, model_id: str) -> str:
+        """Hash: seq, key (checkpoint storage key of the newest durable snapshot of the model's adapter)."""
+        return f"{self.prefix}:snapshot:{model_id}"
+
+    def lease(self, queue_name: str) -> str:
+        """The token of the one worker process allowed to run (and acknowledge) the jobs of a queue."""
+        return f"{self.prefix}:lease:{queue_name}"
+
+    @property
+    def served(self) -> str:
+        """Hash: base model name -> ServedModel JSON, written by workers, read by gateways."""
+        return f"{self.prefix}:served"
+
+    @property
+    def done_channel(self) -> str:
+        """Pub/sub channel: "j:<job_id>" when a result is stored, "f:<feed>" when a feed gets an event."""
+        return f"{self.prefix}:done"

@@ -1,0 +1,224 @@
+"""The Redis Streams queue against a real Redis: delivery, results, waiters, dedup, redelivery, TTL, cancel, feeds."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import pytest
+
+from api_schemas.jobs import AdamSpec, ErrorCategory, Job, JobError, JobResult, JobState, OptimStep, Skip, queue_name
+from jobqueue.base import CANCELLED, DuplicateJobMismatch, LeaseLost
+from jobqueue.redis_queue import RedisQueue
+
+pytest.importorskip("redis")
+
+
+Q = queue_name("base", "train")
+
+
+def job(seq: int = 1, lr: float = 1e-3, model: str = "m1", base: str = "base") -> Job:
+    adam = AdamSpec(learning_rate=lr, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, grad_clip_norm=0.0)
+    return Job(job_id=str(uuid.uuid4()), tenant_id="t1", base_model=base, model_id=model, seq_id=seq,
+               payload=OptimStep(adam=adam), result_type="OptimStepResponse")
+
+
+def ok(j: Job, body: bytes = b'{"metrics": {}}') -> JobResult:
+    return JobResult(job_id=j.job_id, body=body)
+
+
+def run(coro):  # type: ignore[no-untyped-def]
+    return asyncio.run(coro)
+
+
+def make(redis_url: str, prefix: str, **kw: float) -> RedisQueue:
+    return RedisQueue(redis_url, prefix=prefix, **kw)  # type: ignore[arg-type]
+
+
+def test_submit_fetch_complete_roundtrip_keeps_bytes(redis_url: str, prefix: str) -> None:
+    async def go() -> None:
+        q = make(redis_url, prefix)
+        j = job()
+        assert await q.submit(j) == j.job_id
+        assert (await q.info(j.job_id)).state is JobState.QUEUED  # type: ignore[union-attr]
+        got = await q.fetch(Q, timeout=2)
+        assert [g.job_id for g in got] == [j.job_id] and got[0] == j
+        assert (await q.info(j.job_id)).state is JobState.RUNNING  # type: ignore[union-attr]
+        body = bytes(range(256)) * 3  # not UTF-8: results are opaque bytes
+        await q.complete(JobResult(job_id=j.job_id, media_type="application/x-protobuf", body=body), job=j)
+        info = await q.info(j.job_id)
+        assert info is not None and info.state is JobState.DONE and info.tenant_id == "t1"
+        for _ in range(2):  # a result may be fetched more than once
+            res = await q.wait_result(j.job_id, timeout=1)
+            assert res is not None and res.body == body and res.media_type == "application/x-protobuf"
+        assert await q.client.xlen(q.keys.stream(Q)) == 0  # acknowledged entries are deleted
+        assert await q.fetch(Q, timeout=0.2) == []
+        await q.close()
+
+    run(go())
+
+
+def test_waiter_is_woken_by_push_not_timeout(redis_url: str, prefix: str) -> None:
+    async def go() -> None:
+        gateway, worker = make(redis_url, prefix), make(redis_url, prefix)
+        j = job()
+        await gateway.submit(j)
+        waiter = asyncio.create_task(gateway.wait_result(j.job_id, timeout=20))
+        await asyncio.sleep(0.3)
+        assert not waiter.done()
+        (fetched,) = await worker.fetch(Q, timeout=2)
+        t0 = time.monotonic()
+        await worker.complete(ok(fetched, b"x" * 10), job=fetched)
+        res = await asyncio.wait_for(waiter, 5)
+        woke = time.monotonic() - t0
+        assert res is not None and res.body == b"x" * 10
+        assert woke < 0.5, woke  # far below the 20 s timeout: a push, not a poll
+        assert await gateway.wait_result(str(uuid.uuid4()), timeout=0.2) is None
+        await gateway.close()
+        await worker.close()
+
+    run(go())
+
+
+def test_dedup_same_payload_returns_first_id_and_different_payload_is_rejected(redis_url: str, prefix: str) -> None:
+    async def go() -> None:
+        q = make(redis_url, prefix)
+        first, retry, other = job(seq=3), job(seq=3), job(seq=3, lr=0.5)
+        assert await q.submit(first, dedup_key="m1#3") == first.job_id
+        assert await q.submit(retry, dedup_key="m1#3") == first.job_id
+        with pytest.raises(DuplicateJobMismatch):
+            await q.submit(other, dedup_key="m1#3")
+        assert await q.dedup_id("m1#3") == first.job_id
+        assert await q.dedup_id("m1#4") is None
+        assert await q.info(retry.job_id) is None
+        assert await q.client.xlen(q.keys.stream(Q)) == 1  # queued once
+        await q.close()
+
+    run(go())
+
+
+def test_dead_workers_jobs_are_redelivered_and_its_late_ack_is_refused(redis_url: str, prefix: str) -> None:
+    async def go() -> None:
+        gateway = make(redis_url, prefix)
+        dead = make(redis_url, prefix, lease_ttl=1.0)
+        jobs = [job(seq=i) for i in range(3)]
+        for j in jobs:
+            await gateway.submit(j)
+        got = await dead.fetch(Q, timeout=2)
+        assert len(got) == 3
+        await dead.complete(ok(got[0]), job=got[0])
+        dead.consumer(Q)._renewer.cancel()  # type: ignore[union-attr]  # the process "dies": no renewals
+        successor = make(redis_url, prefix, lease_ttl=1.0)
+        t0 = time.monotonic()
+        again = await successor.fetch(Q, timeout=5)
+        assert 0.3 < time.monotonic() - t0 < 3  # it waited for the dead worker's lease to run out
+        assert sorted(j.job_id for j in again) == sorted(j.job_id for j in jobs[1:])
+        for j in again:
+            await successor.complete(ok(j, b"second"), job=j)
+        with pytest.raises(LeaseLost):  # the stale worker cannot acknowledge or overwrite anything
+            await dead.complete(ok(got[1], b"stale"), job=got[1])
+        assert (await gateway.wait_result(jobs[1].job_id, 1)).body == b"second"  # type: ignore[union-attr]
+        assert (await gateway.wait_result(jobs[0].job_id, 1)).body == b'{"metrics": {}}'  # type: ignore[union-attr]
+        pending = await gateway.client.xpending(gateway.keys.stream(Q), "workers")
+        assert pending["pending"] == 0
+        state = await successor.recovery_state("m1")
+        assert state is not None and state.last_seq == 2
+        for q in (gateway, dead, successor):
+            await q.close()
+
+    run(go())
+
+
+def test_results_expire_after_ttl_and_first_delivery_extends_them(redis_url: str, prefix: str) -> None:
+    async def go() -> None:
+        q = make(redis_url, prefix, result_ttl=2)
+        a, b = job(seq=1), job(seq=2)
+        await q.submit(a)
+        await q.submit(b)
+        for j in await q.fetch(Q, timeout=2):
+            await q.complete(ok(j), job=j)
+        await asyncio.sleep(1.2)
+        assert await q.wait_result(a.job_id, 0) is not None  # first delivery: lives 2 s from now
+        await asyncio.sleep(1.3)  # 2.5 s after completion
+        assert await q.info(b.job_id) is None and await q.wait_result(b.job_id, 0) is None
+        assert await q.wait_result(a.job_id, 0) is not None
+        await asyncio.sleep(1.2)
+        assert await q.info(a.job_id) is None and await q.wait_result(a.job_id, 0) is None
+        await q.close()
+
+    run(go())
+
+
+def test_cancel_before_start_fails_the_future_and_the_worker_gets_a_skip(redis_url: str, prefix: str) -> None:
+    async def go() -> None:
+        q = make(redis_url, prefix)
+        a, b = job(seq=1), job(seq=2)
+        await q.submit(a)
+        assert await q.cancel(a.job_id)
+        res = await q.wait_result(a.job_id, 1)
+        assert res is not None and res.error is not None and res.error.message == CANCELLED
+        await q.submit(b)
+        got = await q.fetch(Q, timeout=2)
+        assert isinstance(got[0].payload, Skip) and got[0].job_id == a.job_id and got[1] == b
+        assert not await q.cancel(b.job_id)  # running: too late
+        for j in got:
+            await q.complete(JobResult(job_id=j.job_id, body=b"{}"), job=j)
+        res = await q.wait_result(a.job_id, 1)
+        assert res is not None and res.error is not None  # the cancel result is kept
+        assert not await q.cancel(a.job_id)
+        await q.close()
+
+    run(go())
+
+
+def test_feed_reports_completions_with_cursor_and_push(redis_url: str, prefix: str) -> None:
+    async def go() -> None:
+        q = make(redis_url, prefix)
+        jobs = [job(seq=i) for i in range(3)]
+        for j in jobs:
+            await q.submit(j, feed="tenant:sess:0")
+        got = await q.fetch(Q, timeout=2)
+        await q.complete(ok(got[0], b"12345"), job=got[0])
+        await q.complete(JobResult(job_id=got[1].job_id, error=JobError(category=ErrorCategory.USER, message="no")))
+        page = await q.wait_feed("tenant:sess:0", 0, timeout=1)
+        assert [(c.request_id, c.failed, c.size) for c in page.completions] == [
+            (jobs[0].job_id, False, 5), (jobs[1].job_id, True, None)]
+        waiter = asyncio.create_task(q.wait_feed("tenant:sess:0", page.cursor, timeout=20,
+                                                 retrieved=[jobs[0].job_id]))
+        await asyncio.sleep(0.3)
+        assert not waiter.done()
+        await q.complete(ok(got[2]), job=got[2])
+        nxt = await asyncio.wait_for(waiter, 5)
+        assert [c.request_id for c in nxt.completions] == [jobs[2].job_id] and nxt.cursor > page.cursor
+        assert await q.wait_result(jobs[0].job_id, 0) is None  # retrieved: payload dropped
+        empty = await q.wait_feed("tenant:sess:0", nxt.cursor, timeout=0)
+        assert empty.completions == [] and empty.cursor == nxt.cursor
+        assert (await q.wait_feed("other:sess:0", 0, timeout=0)).completions == []
+        await q.close()
+
+    run(go())
+
+
+def test_replay_log_and_snapshots(redis_url: str, prefix: str) -> None:
+    async def go() -> None:
+        q = make(redis_url, prefix)
+        jobs = [job(seq=i) for i in range(5)]
+        for j in jobs:
+            await q.submit(j)
+        assert await q.recovery_state("m1") is None
+        got = await q.fetch(Q, timeout=2)
+        for j in got:
+            await q.complete(ok(j), job=j, replay=j.seq_id != 2)
+        state = await q.recovery_state("m1")
+        assert state is not None and state.last_seq == 4 and state.snapshot_key is None
+        assert [j.seq_id for j in state.ops] == [0, 1, 3, 4]
+        assert await q.record_snapshot("m1", 3, "snap/a") is None
+        assert await q.record_snapshot("m1", 1, "snap/old") == "snap/old"  # older than the recorded one
+        state = await q.recovery_state("m1")
+        assert state is not None and (state.snapshot_seq, state.snapshot_key) == (3, "snap/a")
+        assert [j.seq_id for j in state.ops] == [4]
+        assert await q.record_snapshot("m1", 4, "snap/b") == "snap/a"
+        await q.close()
+
+    run(go())
