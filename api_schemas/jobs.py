@@ -62,6 +62,7 @@ class SaveWeights(_Frozen):
     storage_key: str  # relative location inside the checkpoint store, minted by the gateway
     tinker_path: str
     with_optimizer: bool  # True for save_state (weights/), False for sampler_weights/
+    sampling_session_id: str | None = None  # ephemeral sampler save: the result names this session, not a path
 
 
 class LoadWeights(_Frozen):

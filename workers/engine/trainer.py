@@ -72,7 +72,10 @@ class Trainer:
             with self.store.writing(p.storage_key) as folder:
                 self.pool.save(adapter, folder, p.with_optimizer)
             key = "save_weights" if p.with_optimizer else "save_weights_for_sampler"
-            return _ok({"path": p.tinker_path, "type": key, "size_bytes": self.store.size_bytes(p.storage_key)})
+            size = self.store.size_bytes(p.storage_key)
+            if p.sampling_session_id is not None:  # ephemeral: the client samples from this session, no path
+                return _ok({"sampling_session_id": p.sampling_session_id, "type": key, "size_bytes": size})
+            return _ok({"path": p.tinker_path, "type": key, "size_bytes": size})
         if isinstance(p, LoadWeights):
             folder = self.store.existing(p.storage_key)
             if folder is None:
