@@ -128,7 +128,7 @@ class OptimStepRequest(Request):
 class SaveWeightsRequest(Request):
     model_id: str
     seq_id: int = Field(ge=0)
-    path: str = Field(pattern=NAME_PATTERN)
+    path: str = Field(max_length=256)  # the checkpoint name; checked against NAME_PATTERN by the service
     ttl_seconds: int | None = None
     overwrite: bool = False
     user_metadata: dict[str, str] | None = None
@@ -137,7 +137,7 @@ class SaveWeightsRequest(Request):
 class SaveWeightsForSamplerRequest(Request):
     model_id: str
     seq_id: int = Field(ge=0)
-    path: str | None = Field(None, pattern=NAME_PATTERN)
+    path: str | None = Field(None, max_length=256)
     sampling_session_seq_id: int | None = None
     kind: str = "snapshot"
     ttl_seconds: int | None = None

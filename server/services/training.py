@@ -3,9 +3,12 @@ its seq_id (a Skip job), so the model's later operations are not held back waiti
 
 from __future__ import annotations
 
+import re
+
 from api_schemas.jobs import AdamSpec, ForwardBackward, LoadWeights, OptimStep, Payload, SaveWeights, Skip
 from api_schemas.tinker.proto import ProtoDecodeError, decode_forward_backward, decompress, parse_forward_backward
 from api_schemas.tinker.types import (
+    NAME_PATTERN,
     LoadWeightsRequest,
     OptimStepRequest,
     SaveWeightsForSamplerRequest,
@@ -108,6 +111,8 @@ async def _save(ctx: Context, tenant_id: str, model: ModelRow, seq_id: int, kind
     key = ckpt.storage_key(tenant_id, model.id, kind, name)
 
     async def build() -> Payload:
+        if not re.match(NAME_PATTERN, name):
+            raise BadRequest(f"checkpoint name {name!r} must match {NAME_PATTERN} (letters, digits, . _ -)")
         expires = ckpt.expiry(ttl)
         async with ctx.db.session() as s:
             row = await repo.checkpoint(s, model.id, kind, name)
