@@ -63,6 +63,7 @@ class SaveWeights(_Frozen):
     tinker_path: str
     with_optimizer: bool  # True for save_state (weights/), False for sampler_weights/
     sampling_session_id: str | None = None  # ephemeral sampler save: the result names this session, not a path
+    max_bytes: int | None = None  # the tenant's storage quota left: a bigger checkpoint fails (category user)
 
 
 class LoadWeights(_Frozen):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_BASE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -46,6 +46,17 @@ class Settings(BaseSettings):
     reclaim_idle_seconds: float = Field(30.0, gt=0)  # another consumer's unacknowledged job is claimed after this
     snapshot_every_steps: int = Field(10, gt=0)  # optim_steps between durable adapter snapshots
 
+    # checkpoint lifecycle (server/services/checkpoints.py, downloads.py, hub_push.py)
+    storage_url: str | None = None  # fsspec URL (s3://bucket/prefix, ...); default: a folder in data_dir
+    tenant_storage_quota_bytes: int | None = Field(None, gt=0)  # per tenant, over all its checkpoints
+    signing_secret: SecretStr | None = None  # signs download URLs, encrypts hub tokens; default: a file in data_dir
+    public_base_url: str | None = None  # base of signed download URLs; default: the URL the client called
+    download_url_ttl_seconds: int = Field(3600, ge=60, le=7 * 24 * 3600)
+    maintenance_interval_seconds: float = Field(30.0, gt=0)  # TTL sweep, stale pending saves, auto-push
+    hf_endpoint: str = "https://huggingface.co"
+    modelscope_endpoint: str = "https://www.modelscope.cn"
+    hub_push_concurrency: int = Field(2, gt=0)
+
     @field_validator("data_dir")
     @classmethod
     def _absolute(cls, v: Path) -> Path:
@@ -58,3 +69,12 @@ class Settings(BaseSettings):
     @property
     def checkpoint_dir(self) -> Path:
         return self.data_dir / "checkpoints"
+
+    @property
+    def storage_location(self) -> str:
+        """Where checkpoints live, for jobqueue.storage.CheckpointStorage (gateway and workers alike)."""
+        return self.storage_url or str(self.checkpoint_dir)
+
+    @property
+    def storage_cache_dir(self) -> Path:
+        return self.data_dir / "storage-cache"

@@ -71,7 +71,13 @@ class Trainer:
             adapter = self.pool.get(job.model_id)
             with self.store.writing(p.storage_key) as folder:
                 self.pool.save(adapter, folder, p.with_optimizer)
+                written = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+                if p.max_bytes is not None and written > p.max_bytes:  # raising here discards the folder
+                    raise UserJobError(f"storage quota exceeded: the checkpoint needs {written} bytes, "
+                                       f"{max(p.max_bytes, 0)} are left; delete checkpoints to free space")
             key = "save_weights" if p.with_optimizer else "save_weights_for_sampler"
+            if "/external_weights/" in p.tinker_path:
+                key = "save_weights_external"
             size = self.store.size_bytes(p.storage_key)
             if p.sampling_session_id is not None:  # ephemeral: the client samples from this session, no path
                 return _ok({"sampling_session_id": p.sampling_session_id, "type": key, "size_bytes": size})
