@@ -40,11 +40,14 @@ It was a bright cold day in April, and the clocks were striking thirteen.
 """
 
 
-def build_tiny_model(folder: Path, *, seed: int = 0, vocab_size: int = 384) -> Path:
+def build_tiny_model(
+    folder: Path, *, seed: int = 0, vocab_size: int = 384, num_attention_heads: int = 4, num_key_value_heads: int = 2
+) -> Path:
     """Write a tiny Llama causal LM and its tokenizer to ``folder`` and return ``folder``.
 
-    Deterministic for a given ``seed`` and ``vocab_size``: the tokenizer training is, and the weights come from
-    a seeded generator, so two builds give byte-identical tokenizer.json and model weights.
+    Deterministic for given arguments: the tokenizer training is, and the weights come from a seeded generator, so
+    two builds give byte-identical tokenizer.json and model weights. The default head_dim is 16; vLLM's CPU attention
+    needs 32 or more, which ``num_attention_heads=2, num_key_value_heads=1`` gives (tests/vllm).
     """
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -59,8 +62,8 @@ def build_tiny_model(folder: Path, *, seed: int = 0, vocab_size: int = 384) -> P
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
         max_position_embeddings=1024,
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,
