@@ -33,6 +33,8 @@ class Settings(BaseSettings):
     seq_gap_timeout_seconds: float = Field(60.0, gt=0)
     session_timeout_seconds: float = Field(900.0, gt=0)
 
+    # Datums per forward_backward request the SDK may send (its default 1024); smaller values make it chunk.
+    client_fwdbwd_max_chunk_len: int = Field(1024, gt=0)
     max_request_bytes: int = Field(64 * 1024 * 1024, gt=0)
     max_datums_per_request: int = Field(4096, gt=0)
     max_lora_rank: int = Field(128, gt=0)

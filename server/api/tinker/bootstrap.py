@@ -14,9 +14,9 @@ router = APIRouter()
 
 
 @router.post("/client/config")
-async def client_config(tenant: Tenant) -> dict[str, Any]:
+async def client_config(ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
     # zstd bodies save bandwidth; the server decodes both forms.
-    return {"proto_compress_fwdbwd": True}
+    return {"proto_compress_fwdbwd": True, "fwdbwd_max_chunk_len": ctx.settings.client_fwdbwd_max_chunk_len}
 
 
 @router.post("/client/dynamic_config")
