@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 from api_schemas.models import ServedModel
 from jobqueue.base import JobQueue
 from server.api.tinker import bootstrap, futures, models, sessions, training
+from server.auth.keys import KeyCache
 from server.config import Settings
 from server.db.database import Database
 from server.errors import DomainError
@@ -50,6 +51,7 @@ def create_app(
             await db.close()
 
     app = FastAPI(title="Twinkle server", version="0.1.0", lifespan=lifespan)
+    app.state.key_cache = KeyCache(settings.auth_cache_seconds)
     for module in (bootstrap, sessions, models, training, futures):
         app.include_router(module.router, prefix="/api/v1", tags=["tinker"])
 

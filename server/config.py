@@ -38,6 +38,7 @@ class Settings(BaseSettings):
     max_request_bytes: int = Field(64 * 1024 * 1024, gt=0)
     max_datums_per_request: int = Field(4096, gt=0)
     max_lora_rank: int = Field(128, gt=0)
+    auth_cache_seconds: float = Field(5.0, ge=0)  # a revoked key stops working within this many seconds
     log_level: str = "INFO"
 
     # cluster wiring (redis_url set): see jobqueue/redis_queue.py and deploy/worker.py

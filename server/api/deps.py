@@ -6,7 +6,7 @@ from typing import Annotated
 
 from fastapi import Depends, Header, Request
 
-from server.auth.keys import tenant_for_key
+from server.auth.keys import KeyCache
 from server.errors import Unauthorized
 from server.services.context import Context
 
@@ -17,12 +17,12 @@ def get_ctx(request: Request) -> Context:
 
 
 async def get_tenant(
-    ctx: Annotated[Context, Depends(get_ctx)], x_api_key: Annotated[str | None, Header()] = None
+    request: Request, ctx: Annotated[Context, Depends(get_ctx)], x_api_key: Annotated[str | None, Header()] = None
 ) -> str:
     if not x_api_key:
         raise Unauthorized("missing X-API-Key header")
-    async with ctx.db.session() as s:
-        tenant_id = await tenant_for_key(s, x_api_key)
+    cache: KeyCache = request.app.state.key_cache
+    tenant_id = await cache.tenant(ctx.db.session, x_api_key)
     if tenant_id is None:
         raise Unauthorized("invalid or revoked API key")
     return tenant_id

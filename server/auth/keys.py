@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+import time
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -25,3 +26,34 @@ async def tenant_for_key(s: AsyncSession, key: str | None) -> str | None:
         return None
     row = await repo.active_key_by_hash(s, hash_key(key))
     return row.tenant_id if row is not None else None
+
+
+class KeyCache:
+    """Key hash -> tenant for `ttl` seconds, so the hot path skips one SQL round trip per request.
+
+    A revoked key stops working within `ttl` seconds (documented); unknown keys are not cached.
+    """
+
+    def __init__(self, ttl: float, max_entries: int = 10_000) -> None:
+        self.ttl = ttl
+        self.max_entries = max_entries
+        self._entries: dict[str, tuple[str, float]] = {}
+
+    async def tenant(self, s_factory, key: str | None) -> str | None:  # type: ignore[no-untyped-def]
+        if not key or not key.startswith(KEY_PREFIX) or len(key) > 256:
+            return None
+        digest = hash_key(key)
+        hit = self._entries.get(digest)
+        now = time.monotonic()
+        if hit is not None and hit[1] > now:
+            return hit[0]
+        async with s_factory() as s:
+            row = await repo.active_key_by_hash(s, digest)
+        if row is None:
+            self._entries.pop(digest, None)
+            return None
+        if len(self._entries) >= self.max_entries:
+            self._entries.clear()
+        if self.ttl > 0:
+            self._entries[digest] = (row.tenant_id, now + self.ttl)
+        return row.tenant_id

@@ -39,6 +39,7 @@ class Database:
             def _pragmas(conn, _record):  # type: ignore[no-untyped-def]
                 cur = conn.cursor()
                 cur.execute("PRAGMA journal_mode=WAL")
+                cur.execute("PRAGMA synchronous=NORMAL")  # with WAL: durable across process crashes, fast commits
                 cur.execute("PRAGMA busy_timeout=5000")
                 cur.execute("PRAGMA foreign_keys=ON")
                 cur.close()

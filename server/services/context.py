@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from api_schemas.jobs import Job, Payload
 from api_schemas.models import ServedModel
 from jobqueue.base import DuplicateJobMismatch, JobQueue
 from server.config import Settings
 from server.db.database import Database
+from server.db.models import ModelRow
 from server.errors import BadRequest, NotFound
 
 
@@ -19,6 +20,9 @@ class Context:
     db: Database
     queue: JobQueue
     models: dict[str, ServedModel]  # served base models by name
+
+    # model id -> its row (owner and LoRA shape never change): training ops skip one SQL round trip each
+    model_rows: dict[str, ModelRow] = field(default_factory=dict)
 
     def served(self, base_model: str) -> ServedModel:
         model = self.models.get(base_model)

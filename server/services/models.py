@@ -27,9 +27,15 @@ def model_id_for(session_id: str, model_seq_id: int) -> str:
 
 
 async def owned_model(ctx: Context, tenant_id: str, model_id: str) -> ModelRow:
-    async with ctx.db.session() as s:
-        row = await repo.model_of(s, tenant_id, model_id)
+    row = ctx.model_rows.get(model_id)
     if row is None:
+        async with ctx.db.session() as s:
+            row = await repo.model_by_id(s, model_id)
+        if row is not None:
+            if len(ctx.model_rows) > 100_000:
+                ctx.model_rows.clear()
+            ctx.model_rows[model_id] = row
+    if row is None or row.tenant_id != tenant_id:
         raise NotFound(f"model {model_id} not found")
     return row
 

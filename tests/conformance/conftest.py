@@ -12,7 +12,7 @@ from tests.support.server import ServerProcess
 
 @pytest.fixture(scope="session")
 def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    srv = ServerProcess(tmp_path_factory.mktemp("server"), str(tiny_model_dir))
+    srv = ServerProcess(tmp_path_factory.mktemp("server"), str(tiny_model_dir), env={"TWINKLE_AUTH_CACHE_SECONDS": "1"})
     srv.api_key_a = srv.create_key("tenant-a")  # type: ignore[attr-defined]
     srv.api_key_b = srv.create_key("tenant-b")  # type: ignore[attr-defined]
     srv.start()
