@@ -1,4 +1,4 @@
-"""`twinkle-server`: serve, and manage tenants' API keys (keys create / list / revoke)."""
+"""`twinkle-server`: serve, worker (cluster wiring), migrate (SQL schema), and manage tenants' API keys."""
 
 from __future__ import annotations
 
@@ -26,11 +26,16 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import uvicorn
 
-    from deploy.embedded import build_embedded_app
-
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     asyncio.run(_first_key(settings))
-    app = build_embedded_app(settings)
+    if settings.redis_url:  # cluster wiring: Redis queue, workers in their own processes unless asked
+        from deploy.cluster import build_gateway_app
+
+        app = build_gateway_app(settings)
+    else:
+        from deploy.embedded import build_embedded_app
+
+        app = build_embedded_app(settings)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower())
     return 0
 
@@ -49,6 +54,39 @@ async def _first_key(settings: Settings) -> None:
                   "It is shown only now. More: twinkle-server keys create --tenant NAME\n", file=sys.stderr)
     finally:
         await db.close()
+
+
+def _worker(args: argparse.Namespace) -> int:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    settings = _settings(args)
+    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not settings.redis_url:
+        print("error: the worker needs TWINKLE_REDIS_URL or --redis-url", file=sys.stderr)
+        return 2
+    from deploy.worker import main as worker_main
+
+    return worker_main(settings)
+
+
+def _migrate(args: argparse.Namespace) -> int:
+    from server.db.database import Database
+
+    settings = _settings(args)
+    if settings.database_url is None:
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+    action = {"up": "upgrade", "down": "downgrade", "current": "current"}[args.action]
+    revision = args.revision or {"up": "head", "down": "-1", "current": ""}[args.action]
+
+    async def run() -> str | None:
+        db = Database(settings.sqlalchemy_url)
+        try:
+            return await db.migrate(action, revision)
+        finally:
+            await db.close()
+
+    print(f"schema revision: {asyncio.run(run()) or 'base'}")
+    return 0
 
 
 def _keys(args: argparse.Namespace) -> int:
@@ -99,7 +137,23 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--device")
     serve.add_argument("--sampler", choices=["torch", "vllm"], help="sampler backend (default torch)")
     serve.add_argument("--log-level", dest="log_level")
+    serve.add_argument("--redis-url", dest="redis_url", help="use the Redis queue (cluster wiring)")
+    serve.add_argument("--with-worker", dest="gateway_runs_worker", action="store_const", const=True,
+                       help="with Redis: also run the base model's trainer in this process")
     serve.set_defaults(func=_serve)
+
+    worker = sub.add_parser("worker", parents=[common], help="run one base model's training worker on Redis")
+    worker.add_argument("--base-model", dest="base_model", help="HF/ModelScope id or a local HF folder")
+    worker.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "float64"])
+    worker.add_argument("--device")
+    worker.add_argument("--redis-url", dest="redis_url")
+    worker.add_argument("--log-level", dest="log_level")
+    worker.set_defaults(func=_worker)
+
+    migrate = sub.add_parser("migrate", parents=[common], help="apply (or revert) the SQL schema migrations")
+    migrate.add_argument("action", nargs="?", choices=["up", "down", "current"], default="up")
+    migrate.add_argument("--revision", help="target revision (default: head for up, -1 for down)")
+    migrate.set_defaults(func=_migrate)
 
     keys = sub.add_parser("keys", help="manage tenants' API keys")
     keys_sub = keys.add_subparsers(dest="keys_cmd", required=True)

@@ -21,7 +21,8 @@ from workers.engine.trainer import Trainer
 log = logging.getLogger(__name__)
 
 
-def build_embedded_app(settings: Settings) -> FastAPI:
+def build_trainer(settings: Settings) -> tuple[ServedModel, Trainer, CheckpointStore]:
+    """Load the base model once and wrap it in a Trainer: the compute side of both wirings."""
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     folder = resolve_base_model(settings.base_model, settings.data_dir)
     name = settings.base_model  # clients name the model as the operator did
@@ -35,7 +36,14 @@ def build_embedded_app(settings: Settings) -> FastAPI:
         tokenizer_id=tokenizer_id_for(folder),
         arch=(cfg.get("architectures") or [None])[0],
     )
+    store = CheckpointStore(settings.checkpoint_dir)
+    return served, Trainer(base, store), store
+
+
+def build_embedded_app(settings: Settings) -> FastAPI:
+    served, trainer, _ = build_trainer(settings)
     queue = LocalQueue(result_ttl=settings.result_ttl_seconds)
-    trainer = Trainer(base, CheckpointStore(settings.checkpoint_dir))
-    dispatcher = Dispatcher(queue, queue_name(name, "train"), trainer.execute, gap_timeout=settings.seq_gap_timeout_seconds)
-    return create_app(settings, queue, {name: served}, background=[dispatcher.run])
+    dispatcher = Dispatcher(
+        queue, queue_name(served.name, "train"), trainer.execute, gap_timeout=settings.seq_gap_timeout_seconds
+    )
+    return create_app(settings, queue, {served.name: served}, background=[dispatcher.run])

@@ -14,6 +14,10 @@ import logging
 from collections.abc import Sequence
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from api_schemas.jobs import ErrorCategory, Job, JobError, JobResult, JobState
 from api_schemas.models import ServedModel
@@ -50,7 +54,13 @@ class RedisQueue(JobQueue):
         reclaim_idle: float = 30.0,
         batch: int = 256,
     ) -> None:
-        self.client: aioredis.Redis = aioredis.Redis.from_url(url, decode_responses=False, health_check_interval=30)
+        # A Redis restart drops every pooled connection: retry on a fresh one instead of failing the caller.
+        # Repeating a write is harmless: submits carry dedup keys, a result is stored once, an ack is idempotent.
+        retry = Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=8)
+        self.client: aioredis.Redis = aioredis.Redis.from_url(
+            url, decode_responses=False, health_check_interval=30, retry=retry,
+            retry_on_error=[RedisConnectionError, RedisTimeoutError],
+        )
         self.keys = Keys(prefix)
         self.result_ttl = max(1, int(result_ttl))
         self.job_ttl = max(self.result_ttl, int(job_ttl))
@@ -182,14 +192,21 @@ class RedisQueue(JobQueue):
         entries = await c.read(timeout)
         if not entries:
             return []
-        jobs = [Job.model_validate_json(f[b"job"]) for _, f in entries]
+        ids = [f[b"id"].decode() for _, f in entries]
         async with self.client.pipeline(transaction=False) as pipe:
-            for j in jobs:
-                await self._s["START"](keys=[self.keys.job(j.job_id)], client=pipe)
+            for job_id in ids:
+                await self._s["START"](keys=[self.keys.job(job_id)], client=pipe)
             starts = await pipe.execute()
         out = []
-        for (entry, _), job, (state, feed) in zip(entries, jobs, starts):
-            self._inflight[job.job_id] = (entry, queue_name, (feed or b"").decode())
+        for (entry, fields), job_id, (state, feed) in zip(entries, ids, starts):
+            self._inflight[job_id] = (entry, queue_name, (feed or b"").decode())
+            try:
+                job = Job.model_validate_json(fields[b"job"])
+            except ValueError:  # a job this worker's code cannot read (version skew): fail it, do not block the line
+                log.exception("job %s in %s cannot be decoded; failing it", job_id, queue_name)
+                await self.complete(JobResult(job_id=job_id, error=JobError(
+                    category=ErrorCategory.SERVER, message="the worker could not decode this job (version mismatch)")))
+                continue
             self._queue_of[job.model_id] = queue_name
             out.append(as_skip(job) if state == b"done" else job)  # done before it ran: cancelled
         return out

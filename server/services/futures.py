@@ -1,16 +1,24 @@
-"""retrieve_future: long-poll a job's result (never a sleep loop), check its owner, return its bytes."""
+"""Futures: retrieve_future (long-poll one job's result, never a sleep loop, check its owner, return its bytes),
+retrieve_futures (long-poll the completions of a sampling session) and cancel_future."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 
+from api_schemas.tinker.futures import (
+    CancelFutureResponse,
+    FutureFailed,
+    FutureFinished,
+    RetrieveFuturesRequest,
+    RetrieveFuturesResponse,
+)
 from api_schemas.tinker.types import FutureError, TryAgain
 from server.errors import NotFound
 from server.services import checkpoints as ckpt
 from server.services.context import Context
 
-_SAVE_RESULTS = {"SaveWeightsResponse", "SaveWeightsForSamplerResponse"}
+_SAVE_RESULTS = {"SaveWeightsResponse", "SaveWeightsForSamplerResponse", "SaveWeightsExternalResponse"}
 
 
 @dataclass(frozen=True)
@@ -36,3 +44,31 @@ async def retrieve(ctx: Context, tenant_id: str, request_id: str) -> FutureAnswe
 
 def _json(payload: dict) -> FutureAnswer:
     return FutureAnswer("application/json", json.dumps(payload).encode())
+
+
+def feed_name(tenant_id: str, sampling_session_id: str, cloned_sampler_id: int) -> str:
+    """The queue feed a sample job joins (submit(..., feed=...)) so retrieve_futures reports it. The tenant is
+    part of the name: another tenant polling the same session id reads an empty feed."""
+    return f"{tenant_id}:{sampling_session_id}:{cloned_sampler_id}"
+
+
+async def retrieve_many(ctx: Context, tenant_id: str, req: RetrieveFuturesRequest) -> RetrieveFuturesResponse:
+    t = req.target
+    wait = ctx.settings.long_poll_seconds if req.timeout is None else min(req.timeout, ctx.settings.long_poll_seconds)
+    page = await ctx.queue.wait_feed(
+        feed_name(tenant_id, t.sampling_session_id, t.cloned_sampler_id), req.prev_cursor, wait,
+        req.retrieved_request_ids,
+    )
+    completions: list[FutureFinished | FutureFailed] = [
+        FutureFailed(request_id=c.request_id) if c.failed
+        else FutureFinished(request_id=c.request_id, response_payload_uncompressed_size=c.size)
+        for c in page.completions
+    ]
+    return RetrieveFuturesResponse(completions=completions, cursor=page.cursor)
+
+
+async def cancel(ctx: Context, tenant_id: str, request_id: str) -> CancelFutureResponse:
+    info = await ctx.queue.info(request_id)
+    if info is None or info.tenant_id != tenant_id:
+        raise NotFound(f"future {request_id} not found (unknown, expired, or not yours)")
+    return CancelFutureResponse(request_id=request_id, cancelled=await ctx.queue.cancel(request_id))

@@ -63,3 +63,10 @@ def postgres_url() -> Iterator[str]:
 @pytest.fixture
 def data_dir(tmp_path: Path) -> Path:
     return tmp_path
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
+    outcome = yield
+    report = outcome.get_result()
+    setattr(item, f"rep_{report.when}", report)

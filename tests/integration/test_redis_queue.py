@@ -222,3 +222,20 @@ def test_replay_log_and_snapshots(redis_url: str, prefix: str) -> None:
         await q.close()
 
     run(go())
+
+
+def test_undecodable_job_is_failed_not_left_blocking(redis_url: str, prefix: str) -> None:
+    async def go() -> None:
+        q = make(redis_url, prefix)
+        good = job(seq=1)
+        await q.client.xadd(q.keys.stream(Q), {"id": "bad-1", "job": b'{"job_id": "bad-1", "from_the_future": 1}'})
+        await q.client.hset(q.keys.job("bad-1"), mapping={"tenant": "t1", "rtype": "X", "state": "queued"})
+        await q.submit(good)
+        got = await q.fetch(Q, timeout=2)
+        assert [j.job_id for j in got] == [good.job_id]
+        res = await q.wait_result("bad-1", 1)
+        assert res is not None and res.error is not None and res.error.category is ErrorCategory.SERVER
+        assert (await q.client.xpending(q.keys.stream(Q), "workers"))["pending"] == 1  # only the good one
+        await q.close()
+
+    run(go())

@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import httpx
@@ -62,6 +63,72 @@ class ServerProcess:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-20000:] if self.log_path.exists() else ""
+
+    def kill(self) -> None:
+        """SIGKILL the server (a crash); `start()` brings it back on the same port."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+class WorkerProcess:
+    """`twinkle-server worker` as a subprocess (cluster wiring: TWINKLE_REDIS_URL must be in `env`)."""
+
+    READY = "holds the lease of"
+
+    def __init__(self, data_dir: Path, base_model: str, env: dict[str, str]) -> None:
+        self.data_dir = data_dir
+        self.base_model = base_model
+        self.env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "HF_HUB_OFFLINE": "1", **env}
+        self.log_path = data_dir / f"worker-{uuid.uuid4().hex[:8]}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+
+    def start(self, wait: bool = True, timeout: float = 180.0) -> "WorkerProcess":
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            log.write(f"\n===== worker start {self.starts} =====\n".encode())
+        self._mark = self.log_path.stat().st_size
+        self.starts += 1
+        log = open(self.log_path, "ab")
+        cmd = [sys.executable, "-m", "deploy.cli", "worker", "--data-dir", str(self.data_dir),
+               "--base-model", self.base_model]
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env)
+        if wait:
+            self.wait_ready(timeout)
+        return self
+
+    def wait_ready(self, timeout: float = 180.0) -> None:
+        """Until this start of the worker holds its queue's lease (it is then consuming jobs)."""
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"worker exited with {self.proc.returncode}:\n{self.log()}")
+            with open(self.log_path, "rb") as f:
+                f.seek(self._mark)
+                if self.READY.encode() in f.read():
+                    return
+            time.sleep(0.1)
+        raise RuntimeError(f"worker did not take its lease within {timeout}s:\n{self.log()}")
+
+    def kill(self) -> None:
+        """SIGKILL: no clean-up, no lease release, in-flight jobs unacknowledged."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-30000:] if self.log_path.exists() else ""
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -1,0 +1,173 @@
+"""Job round trip through gateway + Redis + dispatcher: p50/p99 of a no-op job, and the overhead of a 20 ms job.
+
+A real gateway (`twinkle-server serve` with TWINKLE_REDIS_URL) and a real Dispatcher on the Redis queue, whose
+executor does no work (or sleeps `--work-ms`) instead of training: what is measured is everything around the
+compute. Each job is an optim_step submitted over HTTP and fetched with retrieve_future (keep-alive connection),
+the way the SDK does it. Also reported: the bare queue round trip (RedisQueue submit -> worker -> wait_result).
+Starts its own redis-server on a free loopback port unless --redis-url is given. Prints one JSON line.
+
+Usage: python benchmarks/queue_roundtrip.py [--jobs 1000] [--work-jobs 200] [--work-ms 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import httpx  # noqa: E402
+
+from api_schemas.jobs import AdamSpec, Job, JobResult, OptimStep, queue_name  # noqa: E402
+from api_schemas.models import ServedModel  # noqa: E402
+from jobqueue.redis_queue import RedisQueue  # noqa: E402
+
+MODEL = "bench/noop"
+ADAM = {"learning_rate": 1e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0, "grad_clip_norm": 0.0}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+async def worker(redis_url: str, prefix: str, work_file: Path) -> None:
+    """A Dispatcher on the Redis queue whose executor sleeps as long as `work_file` says (ms), then answers."""
+    from workers.dispatcher import Dispatcher
+
+    q = RedisQueue(redis_url, prefix=prefix)
+    await q.register_served(ServedModel(name=MODEL, vocab_size=1000, max_context=1024, tokenizer_id=MODEL))
+
+    def execute(job: Job) -> JobResult:
+        ms = float(work_file.read_text() or 0)
+        if ms > 0:
+            time.sleep(ms / 1000)
+        return JobResult(job_id=job.job_id, body=b'{"metrics": {}}')
+
+    await Dispatcher(q, queue_name(MODEL, "train"), execute).run()
+
+
+def http_roundtrips(base_url: str, api_key: str, n: int, first_seq: int, model_id: str) -> list[float]:
+    out = []
+    with httpx.Client(base_url=base_url, headers={"X-API-Key": api_key}, timeout=60) as http:
+        for i in range(n):
+            t0 = time.perf_counter()
+            r = http.post("/api/v1/optim_step", json={"model_id": model_id, "seq_id": first_seq + i, "adam_params": ADAM})
+            rid = r.json()["request_id"]
+            res = http.post("/api/v1/retrieve_future", json={"request_id": rid, "allow_metadata_only": False})
+            assert res.status_code == 200 and "metrics" in res.json(), res.text
+            out.append(time.perf_counter() - t0)
+    return out
+
+
+async def queue_roundtrips(redis_url: str, prefix: str, n: int) -> list[float]:
+    q = RedisQueue(redis_url, prefix=prefix)
+    adam = AdamSpec(**ADAM)
+    out = []
+    for i in range(n):
+        job = Job(job_id=str(uuid.uuid4()), tenant_id="bench", base_model=MODEL, model_id="bench-q", seq_id=i,
+                  payload=OptimStep(adam=adam), result_type="OptimStepResponse")
+        t0 = time.perf_counter()
+        await q.submit(job, dedup_key=f"bench-q#{i}")
+        assert await q.wait_result(job.job_id, 10) is not None
+        out.append(time.perf_counter() - t0)
+    await q.close()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--jobs", type=int, default=1000)
+    ap.add_argument("--work-jobs", type=int, default=200)
+    ap.add_argument("--work-ms", type=float, default=20.0)
+    ap.add_argument("--redis-url")
+    ap.add_argument("--role", default="bench", help=argparse.SUPPRESS)
+    ap.add_argument("--prefix", help=argparse.SUPPRESS)
+    ap.add_argument("--work-file", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.role == "worker":
+        asyncio.run(worker(args.redis_url, args.prefix, Path(args.work_file)))
+        return
+
+    tmp = Path(tempfile.mkdtemp(prefix="twinkle-bench-"))
+    procs: list[subprocess.Popen[bytes]] = []
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "HF_HUB_OFFLINE": "1", "TWINKLE_LOG_LEVEL": "WARNING"}
+    try:
+        redis_url = args.redis_url
+        if redis_url is None:
+            port = free_port()
+            procs.append(subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                           "--appendonly", "no"], stdout=subprocess.DEVNULL))
+            redis_url = f"redis://127.0.0.1:{port}/0"
+        prefix = f"bench{uuid.uuid4().hex[:8]}"
+        env.update(TWINKLE_REDIS_URL=redis_url, TWINKLE_REDIS_PREFIX=prefix, TWINKLE_DATA_DIR=str(tmp))
+        work_file = tmp / "work_ms"
+        work_file.write_text("0")
+        me = [sys.executable, __file__, "--role", "worker", "--redis-url", redis_url, "--prefix", prefix,
+              "--work-file", str(work_file)]
+        time.sleep(0.3)
+        procs.append(subprocess.Popen(me, env=env))
+        cli = [sys.executable, "-m", "deploy.cli"]
+        key = subprocess.run([*cli, "keys", "create", "--tenant", "bench"], env=env, capture_output=True, text=True,
+                             check=True).stdout.strip()
+        gw_port = free_port()
+        procs.append(subprocess.Popen([*cli, "serve", "--port", str(gw_port), "--log-level", "WARNING"], env=env,
+                                      stdout=subprocess.DEVNULL, stderr=open(tmp / "gateway.log", "wb")))
+        base_url = f"http://127.0.0.1:{gw_port}"
+        with httpx.Client(base_url=base_url, headers={"X-API-Key": key}, timeout=60) as http:
+            for _ in range(600):
+                try:
+                    caps = http.get("/api/v1/get_server_capabilities")
+                    if caps.status_code == 200 and caps.json()["supported_models"]:
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.1)
+            sid = http.post("/api/v1/create_session", json={"tags": []}).json()["session_id"]
+            made = http.post("/api/v1/create_model", json={"session_id": sid, "model_seq_id": 0, "base_model": MODEL,
+                                                           "lora_config": {"rank": 1}}).json()
+            http.post("/api/v1/retrieve_future", json={"request_id": made["request_id"]})
+        model_id = made["model_id"]
+        http_roundtrips(base_url, key, 50, 1, model_id)  # warm-up
+        noop = http_roundtrips(base_url, key, args.jobs, 51, model_id)
+        work_file.write_text(str(args.work_ms))
+        work = http_roundtrips(base_url, key, args.work_jobs, 51 + args.jobs, model_id)
+        work_file.write_text("0")
+        bare = asyncio.run(queue_roundtrips(redis_url, prefix, args.jobs))
+        ms = 1000.0
+        print(json.dumps({
+            "benchmark": "queue_roundtrip", "jobs": args.jobs, "cpus": os.cpu_count(),
+            "loadavg_1m": round(os.getloadavg()[0], 2),
+            "noop_p50_ms": round(pct(noop, 0.5) * ms, 3), "noop_p99_ms": round(pct(noop, 0.99) * ms, 3),
+            "queue_only_p50_ms": round(pct(bare, 0.5) * ms, 3), "queue_only_p99_ms": round(pct(bare, 0.99) * ms, 3),
+            "work_ms": args.work_ms, "work_p50_ms": round(pct(work, 0.5) * ms, 3),
+            "overhead_ratio_p50": round(pct(work, 0.5) * ms / args.work_ms, 3),
+            "overhead_ratio_mean": round(sum(work) / len(work) * ms / args.work_ms, 3),
+        }))
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+if __name__ == "__main__":
+    main()

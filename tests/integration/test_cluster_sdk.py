@@ -1,0 +1,204 @@
+"""The stock tinker SDK against the cluster wiring: gateway (`serve` with TWINKLE_REDIS_URL, no model loaded),
+a real Redis, Postgres, and a separate `twinkle-server worker` process. Includes the fault tests: the worker is
+killed (SIGKILL) five times mid-training and the final weights and optimizer state still equal an uninterrupted
+run's; the gateway is killed and restarted mid-run and the client finishes without errors."""
+
+from __future__ import annotations
+
+import random
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import tinker
+import torch
+from safetensors.torch import load_file
+from tinker import types
+
+from tests.integration.conftest import DEFAULT_PG, _pg_admin
+from tests.support.server import ServerProcess, WorkerProcess
+
+pytest.importorskip("redis")
+
+
+class Cluster:
+    def __init__(self, root: Path, model: str, redis_url: str, database_url: str) -> None:
+        self.data_dir = root
+        self.env = {
+            "TWINKLE_REDIS_URL": redis_url, "TWINKLE_REDIS_PREFIX": f"e2e{uuid.uuid4().hex[:8]}",
+            "TWINKLE_DATABASE_URL": database_url, "TWINKLE_WORKER_LEASE_SECONDS": "2",
+            "TWINKLE_SNAPSHOT_EVERY_STEPS": "3", "TWINKLE_LONG_POLL_SECONDS": "10",
+        }
+        self.gateway = ServerProcess(root, model, env=self.env)
+        self.worker = WorkerProcess(root, model, env=self.env)
+        self.api_key = ""
+
+    def logs(self) -> str:
+        return f"--- gateway ---\n{self.gateway.log()}\n--- worker ---\n{self.worker.log()}"
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    import asyncio
+    import os
+
+    admin = os.environ.get("TWINKLE_TEST_POSTGRES_URL", DEFAULT_PG)
+    name = f"twinkle_e2e_{uuid.uuid4().hex[:10]}"
+    try:
+        asyncio.run(_pg_admin(admin, f'CREATE DATABASE "{name}"'))
+    except (OSError, asyncio.TimeoutError) as e:
+        pytest.skip(f"Postgres at {admin} is not reachable: {e}")
+    c = Cluster(tmp_path_factory.mktemp("cluster"), str(tiny_model_dir), redis_url,
+                f"{admin.rpartition('/')[0]}/{name}")
+    try:
+        c.api_key = c.gateway.create_key("tenant-a")
+        c.worker.start()
+        c.gateway.start()
+        yield c
+    except BaseException:
+        print(c.logs())
+        raise
+    finally:
+        c.gateway.stop()
+        c.worker.stop()
+        asyncio.run(_pg_admin(admin, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
+@pytest.fixture(autouse=True)
+def _logs_on_failure(request: pytest.FixtureRequest, cluster: Cluster) -> Iterator[None]:
+    yield
+    rep = getattr(request.node, "rep_call", None)
+    if rep is not None and rep.failed:
+        print(cluster.logs())
+
+
+def batch(step: int) -> list[types.Datum]:
+    rng = np.random.default_rng(1000 + step)
+    out = []
+    for _ in range(3):
+        tokens = rng.integers(5, 200, size=10).tolist()
+        out.append(types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                               loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * 9}))
+    return out
+
+
+def sft(tc: tinker.TrainingClient, steps: int, during: Callable[[int], None] = lambda _: None,
+        same_batch: bool = False) -> list[float]:
+    losses = []
+    for step in range(steps):
+        fb = tc.forward_backward(batch(0 if same_batch else step), "cross_entropy")
+        opt = tc.optim_step(types.AdamParams(learning_rate=2e-2))
+        during(step)
+        losses.append(fb.result().metrics["loss:sum"])
+        opt.result()
+    return losses
+
+
+def adapter_state(c: Cluster, tc: tinker.TrainingClient, name: str) -> dict[str, torch.Tensor]:
+    path = tc.save_state(name).result().path
+    run_id, kind, ckpt = path.removeprefix("tinker://").split("/")
+    (folder,) = list(c.data_dir.glob(f"checkpoints/*/{run_id}/{kind}/{ckpt}"))
+    state = load_file(str(folder / "adapter_model.safetensors"))
+    state.update({f"optim/{k}": v for k, v in load_file(str(folder / "optimizer.safetensors")).items()})
+    return state
+
+
+def test_sdk_trains_through_gateway_redis_and_worker(cluster: Cluster) -> None:
+    with tinker.ServiceClient(base_url=cluster.gateway.base_url, api_key=cluster.api_key) as sc:
+        caps = sc.get_server_capabilities()
+        assert [m.model_name for m in caps.supported_models] == [cluster.gateway.base_model]
+        tc = sc.create_lora_training_client(base_model=cluster.gateway.base_model, rank=4, seed=3)
+        losses = sft(tc, 12, same_batch=True)
+        assert losses[-1] < losses[0] * 0.9, losses
+        path = tc.save_weights_for_sampler("e2e").result().path
+        assert path.endswith("/sampler_weights/e2e")
+    assert "loading base model" not in cluster.gateway.log()  # the gateway ran no model
+    assert "loading base model" in cluster.worker.log()
+
+
+def test_retrieve_futures_and_cancel_future_endpoints(cluster: Cluster) -> None:
+    headers = {"X-API-Key": cluster.api_key}
+    with httpx.Client(base_url=cluster.gateway.base_url, headers=headers, timeout=30) as http:
+        body = {"target": {"type": "sampling_session", "sampling_session_id": "nope", "cloned_sampler_id": 0},
+                "prev_cursor": 0, "timeout": 0, "retrieved_request_ids": []}
+        r = http.post("/api/v1/retrieve_futures", json=body)
+        assert r.status_code == 200 and r.json() == {"completions": [], "cursor": 0}, r.text
+        r = http.post("/api/v1/cancel_future", json={"request_id": str(uuid.uuid4())})
+        assert r.status_code == 404, r.text
+        session_id = http.post("/api/v1/create_session", json={"tags": []}).json()["session_id"]
+        r = http.post("/api/v1/create_model", json={"session_id": session_id, "model_seq_id": 0,
+                                                    "base_model": cluster.gateway.base_model,
+                                                    "lora_config": {"rank": 2}})
+        assert r.status_code == 200, r.text
+        request_id = r.json()["request_id"]
+        r = http.post("/api/v1/retrieve_future", json={"request_id": request_id})
+        assert r.status_code == 200 and "model_id" in r.json(), r.text
+        r = http.post("/api/v1/cancel_future", json={"request_id": request_id})
+        assert r.status_code == 200 and r.json() == {"request_id": request_id, "cancelled": False}, r.text
+
+
+@pytest.mark.slow
+def test_worker_killed_five_times_gives_the_same_weights(cluster: Cluster) -> None:
+    steps, kills = 24, 5
+    with tinker.ServiceClient(base_url=cluster.gateway.base_url, api_key=cluster.api_key) as sc:
+        ref = sc.create_lora_training_client(base_model=cluster.gateway.base_model, rank=4, seed=7)
+        sft(ref, steps)
+        expected = adapter_state(cluster, ref, "reference")
+
+        rng = random.Random(5)
+        kill_steps = set(rng.sample(range(1, steps - 2), kills))
+        killers: list[threading.Thread] = []
+        rebuilt_before = cluster.worker.log().count("rebuilt ")
+
+        def crash(step: int) -> None:
+            if step not in kill_steps:
+                return
+            for t in killers:  # the previous kill and restart happened, and the restart is up and consuming
+                t.join()
+            cluster.worker.wait_ready()
+
+            def kill_later(delay: float) -> None:
+                threading.Event().wait(delay)
+                cluster.worker.kill()
+                cluster.worker.start(wait=False)
+
+            t = threading.Thread(target=kill_later, args=(rng.uniform(0.0, 0.25),))
+            t.start()
+            killers.append(t)
+
+        tc = sc.create_lora_training_client(base_model=cluster.gateway.base_model, rank=4, seed=7)
+        sft(tc, steps, during=crash)
+        got = adapter_state(cluster, tc, "crashed")
+    for t in killers:
+        t.join()
+    cluster.worker.wait_ready()
+    assert len(killers) == kills
+    assert cluster.worker.log().count("rebuilt ") - rebuilt_before == kills  # every successor rebuilt the model
+    assert got.keys() == expected.keys()
+    worst = max((got[k] - expected[k]).abs().max().item() for k in expected)
+    assert worst < 1e-6, worst
+    assert any(v.abs().max().item() > 0 for k, v in got.items() if "lora_B" in k)  # it trained
+
+
+@pytest.mark.slow
+def test_gateway_restart_during_a_run(cluster: Cluster) -> None:
+    with tinker.ServiceClient(base_url=cluster.gateway.base_url, api_key=cluster.api_key) as sc:
+        tc = sc.create_lora_training_client(base_model=cluster.gateway.base_model, rank=4, seed=2)
+        restarts: list[threading.Thread] = []
+
+        def restart(step: int) -> None:
+            if step == 3:
+                cluster.gateway.kill()
+                t = threading.Thread(target=cluster.gateway.start)
+                t.start()
+                restarts.append(t)
+
+        losses = sft(tc, 10, during=restart)
+        assert len(losses) == 10 and all(np.isfinite(losses))
+        for t in restarts:
+            t.join()
+        assert tc.save_weights_for_sampler("after-restart").result().path.endswith("after-restart")
