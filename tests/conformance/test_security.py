@@ -132,3 +132,24 @@ def test_failed_job_is_a_failed_future_and_the_worker_goes_on(server: ServerProc
     assert "not found" in str(err.value)
     out = tc.forward_backward(batch(), "cross_entropy").result()
     assert np.isfinite(out.metrics["loss:sum"])
+
+
+def test_retry_with_same_seq_id_runs_once_and_a_different_payload_is_rejected(server: ServerProcess) -> None:
+    key = server.api_key_a
+    model_id = _raw_model(server, key)
+    body = _fb_body(model_id, 1, [1, 2, 3], [2, 3, 4], [1, 1, 1])
+    first = _fb(server, key, body).json()["request_id"]
+    assert _fb(server, key, body).json()["request_id"] == first  # a retry gets the same future
+    other = _fb(server, key, _fb_body(model_id, 1, [1, 2, 3], [2, 3, 5], [1, 1, 1]))
+    assert other.status_code == 400 and "different" in other.json()["detail"]
+    assert _result(server, key, first).headers["content-type"] == "application/x-protobuf"
+    step = {"model_id": model_id, "seq_id": 2, "adam_params": {"learning_rate": 0.1}}
+    r = _post(server, "optim_step", key, json=step)
+    assert _post(server, "optim_step", key, json=step).json()["request_id"] == r.json()["request_id"]
+    norm = _result(server, key, r.json()["request_id"]).json()["metrics"]["grad_norm"]
+    # exactly one accumulation happened: same gradient norm as a twin model (same seed) that saw the batch once
+    twin = _raw_model(server, key)
+    assert _result(server, key, _fb(server, key, _fb_body(twin, 1, [1, 2, 3], [2, 3, 4], [1, 1, 1])).json()["request_id"])
+    r = _post(server, "optim_step", key, json={**step, "model_id": twin})
+    assert _result(server, key, r.json()["request_id"]).json()["metrics"]["grad_norm"] == pytest.approx(norm, rel=1e-6)
+    assert norm > 0
