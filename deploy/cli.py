@@ -64,9 +64,14 @@ def _worker(args: argparse.Namespace) -> int:
     if not settings.redis_url:
         print("error: the worker needs TWINKLE_REDIS_URL or --redis-url", file=sys.stderr)
         return 2
+    from deploy.worker import LANES
     from deploy.worker import main as worker_main
 
-    return worker_main(settings)
+    lanes = tuple(x.strip() for x in (args.lanes or ",".join(LANES)).split(",") if x.strip())
+    if not lanes or set(lanes) - set(LANES):
+        print(f"error: --lanes takes a comma-separated subset of {','.join(LANES)}", file=sys.stderr)
+        return 2
+    return worker_main(settings, lanes)
 
 
 def _migrate(args: argparse.Namespace) -> int:
@@ -147,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     worker.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "float64"])
     worker.add_argument("--device")
     worker.add_argument("--redis-url", dest="redis_url")
+    worker.add_argument("--lanes", help="which queues to serve: train,sample (default both)")
+    worker.add_argument("--sampler", choices=["torch", "vllm"], help="sampler backend (default torch)")
     worker.add_argument("--log-level", dest="log_level")
     worker.set_defaults(func=_worker)
 

@@ -37,19 +37,20 @@ def build_gateway_app(settings: Settings) -> FastAPI:
     queue = redis_queue(settings)
     served: dict[str, ServedModel] = {}
     background: list[Background] = [lambda: follow_registry(queue, served)]
-    if settings.gateway_runs_worker:  # torch is imported only here: a plain gateway never loads it
+    if settings.gateway_runs_worker:  # the compute side is imported only here
         from deploy.embedded import build_trainer
-        from deploy.worker import training_dispatcher
+        from deploy.worker import sampling_loop, training_dispatcher
 
         model, trainer, store = build_trainer(settings)
         served[model.name] = model
         dispatcher = training_dispatcher(settings, queue, model, trainer, store)
+        run_sampler, _ = sampling_loop(settings, queue, model, trainer, store)
 
-        async def run_worker() -> None:
+        async def run_trainer() -> None:
             await queue.register_served(model)
             await dispatcher.run()
 
-        background.append(run_worker)
+        background += [run_trainer, run_sampler]
     return create_app(settings, queue, served, background=background)
 
 

@@ -1,9 +1,9 @@
-"""`twinkle-server worker`: the training worker of one base model, consuming the Redis queue (cluster wiring).
+"""`twinkle-server worker`: the worker of one base model, consuming the Redis queue (cluster wiring).
 
-The same Trainer and Dispatcher as embedded mode, plus what a separate process needs: it registers the served
-model for the gateways, holds the queue's lease while it runs, rebuilds the adapters of models a dead
-predecessor held (workers/recovery.py), and gives the lease back on SIGTERM/SIGINT. If it ever loses the lease
-(a long stall), it drops every adapter and starts over as a fresh worker would.
+The same Trainer, Dispatcher, sampler and SamplerWorker as embedded mode, plus what a separate process needs: it
+registers the served model for the gateways, holds each lane's lease while it runs, rebuilds the adapters of models
+a dead predecessor held (workers/recovery.py), and gives its leases back on SIGTERM/SIGINT. If it ever loses a
+lease (a stall longer than the lease), it exits with status 3 so its supervisor starts a fresh one.
 """
 
 from __future__ import annotations
@@ -11,11 +11,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from collections.abc import Awaitable, Callable
 
 from api_schemas.jobs import queue_name
 from api_schemas.models import ServedModel
-from jobqueue.base import LeaseLost
 from deploy.cluster import redis_queue
+from jobqueue.base import LeaseLost
 from jobqueue.redis_queue import RedisQueue
 from server.config import Settings
 from workers.checkpoints.store import CheckpointStore
@@ -24,6 +25,8 @@ from workers.engine.trainer import Trainer
 from workers.recovery import Recovery
 
 log = logging.getLogger(__name__)
+
+LANES = ("train", "sample")
 
 
 def training_dispatcher(
@@ -36,39 +39,64 @@ def training_dispatcher(
     )
 
 
-async def serve_worker(settings: Settings, served: ServedModel, trainer: Trainer, store: CheckpointStore) -> None:
+def sampling_loop(
+    settings: Settings, queue: RedisQueue, served: ServedModel, trainer: Trainer, store: CheckpointStore
+) -> tuple[Callable[[], Awaitable[None]], Callable[[], None]]:
+    from workers.sampling.factory import build_sampler
+    from workers.sampling.worker import SamplerWorker
+
+    backend = build_sampler(
+        settings.sampler, served.name, trainer.base.folder, store, dtype=settings.dtype, device=settings.device,
+        max_batch_rows=settings.sampler_max_batch_rows, max_loaded_adapters=settings.sampler_max_loaded_adapters,
+        shared_base=trainer.base,
+    )
+    sampler = SamplerWorker(queue, queue_name(served.name, "sample"), backend)
+    return sampler.run, sampler.stop
+
+
+async def serve_worker(
+    settings: Settings, served: ServedModel, trainer: Trainer, store: CheckpointStore, lanes: tuple[str, ...] = LANES
+) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    while not stop.is_set():
-        queue = redis_queue(settings)
+    queue = redis_queue(settings)
+    runs: list[Callable[[], Awaitable[None]]] = []
+    stops: list[Callable[[], None]] = []
+    if "train" in lanes:
         dispatcher = training_dispatcher(settings, queue, served, trainer, store)
-        run: asyncio.Task[None] | None = None
-        try:
-            await queue.register_served(served)
-            run = asyncio.create_task(dispatcher.run())
-            stopping = asyncio.create_task(stop.wait())
-            await asyncio.wait({run, stopping}, return_when=asyncio.FIRST_COMPLETED)
-            stopping.cancel()
-            if run.done():
-                run.result()  # LeaseLost or a crash
-        except LeaseLost as e:
-            log.error("%s; dropping every adapter and starting over", e)
-            for model_id in list(trainer.pool.adapters):
-                trainer.pool.drop(model_id)
-        finally:
-            dispatcher.stop()
-            if run is not None and not run.done():
-                run.cancel()
-                await asyncio.gather(run, return_exceptions=True)
-            await queue.close()  # gives the lease back: a successor starts at once
+        runs.append(dispatcher.run)
+        stops.append(dispatcher.stop)
+    if "sample" in lanes:
+        run, halt = sampling_loop(settings, queue, served, trainer, store)
+        runs.append(run)
+        stops.append(halt)
+    tasks = [asyncio.create_task(fn()) for fn in runs]
+    stopping = asyncio.create_task(stop.wait())
+    code = 0
+    try:
+        await queue.register_served(served)
+        await asyncio.wait({*tasks, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        for t in tasks:
+            if t.done():
+                t.result()  # LeaseLost or a crash
+    except LeaseLost as e:
+        log.error("%s; exiting so that a fresh worker takes over", e)
+        code = 3
+    finally:
+        for halt in stops:
+            halt()
+        for t in (*tasks, stopping):
+            t.cancel()
+        await asyncio.gather(*tasks, stopping, return_exceptions=True)
+        await queue.close()  # gives the leases back: a successor starts at once
     log.info("worker for %s stopped", served.name)
+    return code
 
 
-def main(settings: Settings) -> int:
+def main(settings: Settings, lanes: tuple[str, ...] = LANES) -> int:
     from deploy.embedded import build_trainer
 
     served, trainer, store = build_trainer(settings)
-    asyncio.run(serve_worker(settings, served, trainer, store))
-    return 0
+    return asyncio.run(serve_worker(settings, served, trainer, store, lanes))

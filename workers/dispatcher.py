@@ -99,13 +99,24 @@ class Dispatcher:
                 delay = min(delay * 2, 2.0)
 
     async def _recover(self, model_id: str) -> None:
+        delay = 0.1
+        while True:  # without the model's durable state its line cannot start: wait for the backend
+            try:
+                state = await self.queue.recovery_state(model_id)
+                break
+            except Exception:
+                log.warning("reading the durable state of %s failed; retrying", model_id, exc_info=True)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
         self._known.add(model_id)
-        state = await self.queue.recovery_state(model_id)
         if state is None:
             return
         if self.recovery is not None:
             loop = asyncio.get_running_loop()
-            await loop.run_in_executor(self._executor, self.recovery.rebuild, state)
+            try:
+                await loop.run_in_executor(self._executor, self.recovery.rebuild, state)
+            except Exception:  # only this model's jobs fail ("not loaded"); the others go on
+                log.exception("rebuilding %s failed", model_id)
         self.scheduler.resume(model_id, state.last_seq + 1)
 
     def stop(self) -> None:

@@ -116,6 +116,10 @@ def test_sdk_trains_through_gateway_redis_and_worker(cluster: Cluster) -> None:
         assert losses[-1] < losses[0] * 0.9, losses
         path = tc.save_weights_for_sampler("e2e").result().path
         assert path.endswith("/sampler_weights/e2e")
+        sampler = sc.create_sampling_client(model_path=path)  # the worker's sample lane, through Redis
+        prompt = types.ModelInput.from_ints(batch(0)[0].model_input.to_ints()[:4])
+        out = sampler.sample(prompt, num_samples=2, sampling_params=types.SamplingParams(max_tokens=5, seed=1)).result()
+        assert len(out.sequences) == 2 and all(1 <= len(s.tokens) <= 5 for s in out.sequences)
     assert "loading base model" not in cluster.gateway.log()  # the gateway ran no model
     assert "loading base model" in cluster.worker.log()
 
