@@ -17,6 +17,8 @@ from workers.dispatcher import Dispatcher
 from workers.engine.base_model import BaseModel
 from workers.engine.model_assets import resolve_base_model, tokenizer_id_for
 from workers.engine.trainer import Trainer
+from workers.sampling.factory import build_sampler
+from workers.sampling.worker import SamplerWorker
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +43,15 @@ def build_trainer(settings: Settings) -> tuple[ServedModel, Trainer, CheckpointS
 
 
 def build_embedded_app(settings: Settings) -> FastAPI:
-    served, trainer, _ = build_trainer(settings)
+    served, trainer, store = build_trainer(settings)
     queue = LocalQueue(result_ttl=settings.result_ttl_seconds)
     dispatcher = Dispatcher(
         queue, queue_name(served.name, "train"), trainer.execute, gap_timeout=settings.seq_gap_timeout_seconds
     )
-    return create_app(settings, queue, {served.name: served}, background=[dispatcher.run])
+    sampler = build_sampler(
+        settings.sampler, served.name, trainer.base.folder, store, dtype=settings.dtype, device=settings.device,
+        max_batch_rows=settings.sampler_max_batch_rows, max_loaded_adapters=settings.sampler_max_loaded_adapters,
+        shared_base=trainer.base,  # one copy of the weights (workers/sampling/torch_sampler.py says why it is safe)
+    )
+    sampling = SamplerWorker(queue, queue_name(served.name, "sample"), sampler)
+    return create_app(settings, queue, {served.name: served}, background=[dispatcher.run, sampling.run])

@@ -13,7 +13,8 @@ from fastapi.responses import JSONResponse
 
 from api_schemas.models import ServedModel
 from jobqueue.base import JobQueue
-from server.api.tinker import bootstrap, futures, models, sessions, training
+from server.api import openai
+from server.api.tinker import bootstrap, futures, models, sampling, sessions, training
 from server.auth.keys import KeyCache
 from server.config import Settings
 from server.db.database import Database
@@ -52,8 +53,9 @@ def create_app(
 
     app = FastAPI(title="Twinkle server", version="0.1.0", lifespan=lifespan)
     app.state.key_cache = KeyCache(settings.auth_cache_seconds)
-    for module in (bootstrap, sessions, models, training, futures):
+    for module in (bootstrap, sessions, models, training, sampling, futures):
         app.include_router(module.router, prefix="/api/v1", tags=["tinker"])
+    app.include_router(openai.router, prefix="/v1", tags=["openai"])
 
     @app.exception_handler(DomainError)
     async def _domain_error(_: Request, e: DomainError) -> JSONResponse:

@@ -92,3 +92,21 @@ class CheckpointRow(Base):
     @property
     def tinker_path(self) -> str:
         return f"tinker://{self.model_id}/{self.kind}/{self.name}"
+
+
+class SamplingSessionRow(Base):
+    """A sampling session: the immutable weights one SamplingClient samples from (or the base model alone)."""
+
+    __tablename__ = "sampling_sessions"
+    id: Mapped[str] = mapped_column(String(256), primary_key=True)  # "{session_id}:sample:{sampling_session_seq_id}"
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), index=True)
+    session_id: Mapped[str] = mapped_column(ForeignKey("sessions.id"), index=True)
+    seq_id: Mapped[int] = mapped_column(Integer)
+    base_model: Mapped[str] = mapped_column(String(256))
+    model_path: Mapped[str | None] = mapped_column(String(1024), nullable=True)  # tinker:// path it was made from
+    storage_key: Mapped[str | None] = mapped_column(String(1024), nullable=True)  # None: the base model alone
+    weights_version: Mapped[str | None] = mapped_column(String(256), nullable=True)
+    source_model_id: Mapped[str | None] = mapped_column(String(128), nullable=True)  # training run of a save
+    ephemeral: Mapped[bool] = mapped_column(Boolean, default=False)  # from save_weights_and_get_sampling_client
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    __table_args__ = (UniqueConstraint("session_id", "seq_id"),)

@@ -8,7 +8,7 @@ from typing import Sequence
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from server.db.models import ApiKeyRow, CheckpointRow, ModelRow, SessionRow, TenantRow, utcnow
+from server.db.models import ApiKeyRow, CheckpointRow, ModelRow, SamplingSessionRow, SessionRow, TenantRow, utcnow
 
 
 # --- tenants and keys ---
@@ -74,3 +74,20 @@ async def pending_checkpoints(s: AsyncSession, older_than: datetime) -> Sequence
 
 async def count_models(s: AsyncSession, tenant_id: str) -> int:
     return int((await s.execute(select(func.count()).where(ModelRow.tenant_id == tenant_id))).scalar_one())
+
+
+# --- sampling sessions ---
+async def sampling_session_of(s: AsyncSession, tenant_id: str, sampling_session_id: str) -> SamplingSessionRow | None:
+    row = await s.get(SamplingSessionRow, sampling_session_id)
+    return row if row is not None and row.tenant_id == tenant_id else None
+
+
+async def sampling_session_by_id(s: AsyncSession, sampling_session_id: str) -> SamplingSessionRow | None:
+    return await s.get(SamplingSessionRow, sampling_session_id)
+
+
+async def sampler_checkpoints_of(s: AsyncSession, tenant_id: str) -> Sequence[CheckpointRow]:
+    q = select(CheckpointRow).where(
+        CheckpointRow.tenant_id == tenant_id, CheckpointRow.kind == "sampler_weights", CheckpointRow.status == "ready"
+    ).order_by(CheckpointRow.id)
+    return (await s.execute(q)).scalars().all()

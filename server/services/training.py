@@ -19,6 +19,7 @@ from server.db import repositories as repo
 from server.db.models import CheckpointRow, ModelRow
 from server.errors import BadRequest, DomainError, PayloadTooLarge
 from server.services import checkpoints as ckpt
+from server.services import sampling
 from server.services.context import Context
 from server.services.models import model_id_for, owned_model
 from server.services.sessions import live_session
@@ -97,10 +98,8 @@ async def save_weights(ctx: Context, tenant_id: str, req: SaveWeightsRequest) ->
 
 async def save_weights_for_sampler(ctx: Context, tenant_id: str, req: SaveWeightsForSamplerRequest) -> UntypedFuture:
     model = await owned_model(ctx, tenant_id, req.model_id)
-    if req.path is None:
-        async def reject() -> Payload:
-            raise BadRequest("save_weights_for_sampler without a name (ephemeral sampling clients) is not served yet")
-        return await _queue_op(ctx, tenant_id, model, req.seq_id, reject, "SaveWeightsForSamplerResponse")
+    if req.path is None:  # ephemeral: save_weights_and_get_sampling_client
+        return await sampling.save_ephemeral(ctx, tenant_id, model, req, _queue_op)
     return await _save(ctx, tenant_id, model, req.seq_id, "sampler_weights", req.path, req.ttl_seconds, True,
                        req.user_metadata, "SaveWeightsForSamplerResponse")
 

@@ -1,8 +1,8 @@
-"""The torch sampler's adapter slots: PEFT adapter folders loaded into the shared LoraLinear layers, one slot per
-immutable weight version.
+"""The torch sampler's adapter slots: PEFT adapter folders loaded for the sampler's own LoRA hooks (lora_apply.py),
+one slot per immutable weight version.
 
-A slot's id is `sampler:<version>`, never a training model's id, so a sampler keeps the exact weights it loaded
-while the trainer goes on updating its own copy. Slots in use by a running request are pinned; when more than
+A slot's id is `sampler:<version>`; its tensors are the sampler's own copies, so a sampler keeps the exact weights
+it loaded while the trainer goes on updating its adapter. Slots in use by a running request are pinned; when more than
 `capacity` versions are loaded, the least recently used unpinned one is dropped (it reloads on its next use).
 Only the sampler's engine thread calls into this class.
 """
@@ -21,6 +21,7 @@ from api_schemas.jobs import WeightsRef
 from workers.checkpoints.store import CheckpointStore
 from workers.engine.multi_lora import LoraLinear
 from workers.sampling.base import SamplerUserError
+from workers.sampling.lora_apply import SamplerLora
 
 _PREFIX = "base_model.model."
 
@@ -58,8 +59,9 @@ def read_peft_folder(folder: Path, layers: dict[str, LoraLinear]) -> tuple[dict[
 
 
 class AdapterSlots:
-    def __init__(self, layers: dict[str, LoraLinear], store: CheckpointStore, capacity: int) -> None:
-        self.layers = layers
+    def __init__(self, lora: SamplerLora, store: CheckpointStore, capacity: int) -> None:
+        self.lora = lora
+        self.layers = lora.layers
         self.store = store
         self.capacity = capacity
         self._loaded: OrderedDict[str, list[str]] = OrderedDict()  # version -> layer names holding it (LRU order)
@@ -99,11 +101,7 @@ class AdapterSlots:
         pairs, scale = read_peft_folder(folder, self.layers)
         sid = slot_id(weights.version)
         for name, (a, b) in pairs.items():
-            layer = self.layers[name]
-            w = layer.base.weight
-            layer.lora_A[sid] = a.to(device=w.device, dtype=w.dtype)
-            layer.lora_B[sid] = b.to(device=w.device, dtype=w.dtype)
-            layer.scale[sid] = scale
+            self.lora.put(sid, name, a, b, scale)
         self._loaded[weights.version] = list(pairs)
 
     def _evict(self) -> None:
@@ -112,6 +110,5 @@ class AdapterSlots:
                 return
             if version in self._pins:
                 continue
-            sid = slot_id(version)
-            for name in self._loaded.pop(version):
-                self.layers[name].remove_adapter(sid)
+            del self._loaded[version]
+            self.lora.drop(slot_id(version))

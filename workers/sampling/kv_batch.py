@@ -3,7 +3,8 @@
 A new request is prefilled on its own (no padding, so its prompt logprobs are exactly a training forward's), its
 cache repeated for its samples, then merged into the running batch by left-padding the shorter cache; each decode
 step feeds one token per row with explicit position ids and the padding masked out. Rows are kept grouped by
-adapter so each adapter serves one contiguous row range (multi_lora's routing) in the shared forward pass.
+adapter so each adapter serves one contiguous row range (the sampler's LoRA hooks, lora_apply.py) in the shared
+forward pass.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from workers.engine.multi_lora import LoraLinear, Route, routed
+from workers.sampling.lora_apply import SamplerLora, Segment, segments_for
 
 
 def _cache_kwarg(model: torch.nn.Module) -> str:
@@ -22,21 +23,10 @@ def _cache_kwarg(model: torch.nn.Module) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def routes_for(slots: list[str | None]) -> list[Route]:
-    """Contiguous row ranges per adapter slot (rows of one slot must already be adjacent for few ranges)."""
-    routes: list[Route] = []
-    for i, slot in enumerate(slots):
-        if routes and routes[-1].adapter_id == slot:
-            routes[-1] = Route(slot, routes[-1].start, i + 1)
-        else:
-            routes.append(Route(slot, i, i + 1))
-    return routes
-
-
 class KVBatch:
-    def __init__(self, model: torch.nn.Module, layers: dict[str, LoraLinear]) -> None:
+    def __init__(self, model: torch.nn.Module, lora: SamplerLora) -> None:
         self.model = model
-        self.layers = layers
+        self.lora = lora
         self._cache_kw = _cache_kwarg(model)
         self.cache: DynamicCache | None = None
         self.mask: torch.Tensor | None = None  # (B, L) long, 0 on left padding
@@ -57,7 +47,7 @@ class KVBatch:
         device = next(self.model.parameters()).device
         ids = torch.tensor([prompt], dtype=torch.long, device=device)
         cache = DynamicCache()
-        with routed(self.layers, [Route(slot, 0, 1)]):
+        with self.lora.plan([Segment(slot, 0, 1)]):
             logits = self._forward(input_ids=ids, cache=cache, logits_to_keep=0 if all_logits else 1)
         return cache, logits[0]
 
@@ -109,7 +99,7 @@ class KVBatch:
         ids = torch.tensor(tokens, dtype=torch.long, device=device)[:, None]
         positions = torch.tensor(self.lengths, dtype=torch.long, device=device)[:, None]
         self.mask = torch.cat([self.mask, torch.ones(self.rows, 1, dtype=torch.long, device=device)], dim=1)
-        with routed(self.layers, routes_for(self.slots)):
+        with self.lora.plan(segments_for(self.slots)):
             logits = self._forward(input_ids=ids, attention_mask=self.mask, position_ids=positions, cache=self.cache,
                                    logits_to_keep=1)
         self.lengths = [n + 1 for n in self.lengths]

@@ -5,8 +5,9 @@ batch between decode steps (continuous batching: a new request does not wait for
 rows in one forward pass per step, and hands each finished request's SampleResponse back to the loop.
 
 Sharing the base model: in embedded mode the sampler runs on the trainer's BaseModel instance (one copy of the
-weights). multi_lora's routing is thread-local and the sampler's adapters live in their own slots
-(`sampler:<version>`), so the trainer's forward/backward and the sampler's decode steps may run concurrently.
+weights). multi_lora's routing is thread-local (the sampler's thread sets none, so its forwards see the base
+model), and the sampler applies its own adapters through forward hooks active on its engine thread only
+(lora_apply.py), so the trainer's forward/backward and the sampler's decode steps may run concurrently.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from workers.engine.base_model import BaseModel
 from workers.sampling.adapters import AdapterSlots
 from workers.sampling.base import SamplerBackend, SamplerConfig, SamplerUserError, encode_sample_response, eos_token_ids
 from workers.sampling.kv_batch import KVBatch
+from workers.sampling.lora_apply import SamplerLora
 from workers.sampling.requests import ActiveRequest, Row, prompt_scores
 from workers.sampling.select import Detokenizer, choose_tokens
 
@@ -55,8 +57,9 @@ class TorchSampler(SamplerBackend):
         self.max_context = self.config.max_context or base.max_context
         self.eos = eos_token_ids(self.config.model_folder)
         self.detok = Detokenizer(self.config.model_folder)
-        self.slots = AdapterSlots(base.layers, self.store, self.config.max_loaded_adapters)
-        self.batch = KVBatch(base.model, base.layers)
+        self.lora = SamplerLora(base.layers)
+        self.slots = AdapterSlots(self.lora, self.store, self.config.max_loaded_adapters)
+        self.batch = KVBatch(base.model, self.lora)
         self._thread = threading.Thread(target=self._engine, name="twinkle-sampler", daemon=True)
         self._thread.start()
 
@@ -65,6 +68,7 @@ class TorchSampler(SamplerBackend):
             self._inbox.put(None)
             await asyncio.to_thread(self._thread.join, 30)
             self._thread = None
+            self.lora.close()
 
     async def sample(self, spec: Sample) -> bytes:
         if self._thread is None:

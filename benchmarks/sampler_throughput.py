@@ -1,0 +1,117 @@
+"""Sampler throughput: 16 concurrent requests spread over 8 distinct adapters vs the same 16 on one adapter.
+
+Prints one JSON line: generated tokens per second for both mixes and their ratio (multi / single; the target is
+>= 0.9, i.e. serving many tenants' adapters in one batch costs little). Each mix runs `--repeats` times after a
+warm-up; the best run counts. Adapters are random rank-`--rank` LoRAs on every layer (Tinker's default targets),
+saved as PEFT folders in a temporary checkpoint store.
+
+    python benchmarks/sampler_throughput.py [--backend torch|vllm] [--model NAME_OR_FOLDER] [--max-tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from api_schemas.jobs import LoraSpec, Sample, SampleParams, WeightsRef  # noqa: E402
+from server.config import DEFAULT_BASE_MODEL  # noqa: E402
+from workers.checkpoints.store import CheckpointStore  # noqa: E402
+from workers.engine.adapter_pool import AdapterPool  # noqa: E402
+from workers.engine.base_model import BaseModel  # noqa: E402
+from workers.engine.model_assets import resolve_base_model  # noqa: E402
+from workers.sampling.base import SamplerBackend  # noqa: E402
+from workers.sampling.factory import build_sampler  # noqa: E402
+from tinker.proto import tinker_public_pb2 as pb  # noqa: E402
+
+REQUESTS, ADAPTERS = 16, 8
+
+
+def make_adapters(base: BaseModel, store: CheckpointStore, n: int, rank: int) -> list[WeightsRef]:
+    pool = AdapterPool(base)
+    refs = []
+    for i in range(n):
+        adapter = pool.create(f"bench{i}", LoraSpec(rank=rank, seed=i))
+        gen = torch.Generator().manual_seed(100 + i)
+        with torch.no_grad():
+            for p in adapter.params:
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype).to(p.device) * 0.01)
+        key = f"bench/m{i}/sampler_weights/w"
+        with store.writing(key) as folder:
+            pool.save(adapter, folder, with_optimizer=False)
+        pool.drop(f"bench{i}")
+        refs.append(WeightsRef(storage_key=key, version=f"bench-{i}"))
+    return refs
+
+
+def requests(weights: list[WeightsRef], prompt_len: int, max_tokens: int, vocab: int) -> list[Sample]:
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(REQUESTS):
+        prompt = torch.randint(10, min(vocab, 30000), (prompt_len,), generator=gen).tolist()
+        params = SampleParams(max_tokens=max_tokens, temperature=1.0, seed=i, stop_at_eos=False)
+        out.append(Sample(prompt_tokens=tuple(prompt), num_samples=1, params=params, weights=weights[i % len(weights)]))
+    return out
+
+
+async def timed(sampler: SamplerBackend, specs: list[Sample]) -> float:
+    start = time.perf_counter()
+    bodies = await asyncio.gather(*(sampler.sample(s) for s in specs))
+    elapsed = time.perf_counter() - start
+    generated = sum(len(seq.tokens) // 4 for b in bodies for seq in pb.SampleResponse.FromString(b).sequences)
+    return generated / elapsed
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--backend", default="torch", choices=["torch", "vllm"])
+    ap.add_argument("--model", default=DEFAULT_BASE_MODEL)
+    ap.add_argument("--data-dir", default=str(Path.home() / ".cache" / "twinkle-bench"))
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--rank", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=2)
+    args = ap.parse_args()
+
+    folder = resolve_base_model(args.model, Path(args.data_dir))
+    base = BaseModel(args.model, folder, dtype=args.dtype, device=args.device)
+    with tempfile.TemporaryDirectory() as tmp:
+        store = CheckpointStore(Path(tmp))
+        refs = make_adapters(base, store, ADAPTERS, args.rank)
+        sampler = build_sampler(args.backend, args.model, folder, store, dtype=args.dtype, device=args.device,
+                                shared_base=base if args.backend == "torch" else None)
+        await sampler.start()
+        try:
+            multi = requests(refs, args.prompt_len, args.max_tokens, base.vocab_size)
+            single = requests(refs[:1], args.prompt_len, args.max_tokens, base.vocab_size)
+            await timed(sampler, multi)  # warm-up: loads every adapter, fills caches
+            best = {"multi": 0.0, "single": 0.0}
+            for _ in range(args.repeats):
+                for name, specs in (("single", single), ("multi", multi)):
+                    best[name] = max(best[name], await timed(sampler, specs))
+        finally:
+            await sampler.close()
+    print(json.dumps({
+        "benchmark": "sampler_throughput", "backend": args.backend, "model": args.model, "device": args.device,
+        "dtype": args.dtype, "requests": REQUESTS, "adapters": ADAPTERS, "rank": args.rank,
+        "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "threads": torch.get_num_threads(),
+        "tokens_per_s_8_adapters": round(best["multi"], 1), "tokens_per_s_1_adapter": round(best["single"], 1),
+        "ratio": round(best["multi"] / best["single"], 3),
+    }))
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
