@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 import uuid
 
 from api_schemas.jobs import CreateModel, LoraSpec
@@ -68,7 +69,9 @@ async def create_model(ctx: Context, tenant_id: str, req: CreateModelRequest) ->
             return UntypedFuture(request_id=existing.create_request_id, model_id=model_id)
         row = ModelRow(
             id=model_id, tenant_id=tenant_id, session_id=req.session_id, model_seq_id=req.model_seq_id,
-            base_model=served.name, lora_rank=lora.rank, seed=lora.seed, train_attn=lora.train_attn,
+            # "None means random" (SDK docs): draw it here and keep it, so a rebuild gives the same init
+            base_model=served.name, lora_rank=lora.rank,
+            seed=lora.seed if lora.seed is not None else secrets.randbelow(2**31), train_attn=lora.train_attn,
             train_mlp=lora.train_mlp, train_unembed=lora.train_unembed, optimizer=req.optimizer_config.type,
             create_request_id=str(uuid.uuid4()), user_metadata=req.user_metadata or {},
         )

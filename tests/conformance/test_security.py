@@ -46,7 +46,7 @@ def _result(server: ServerProcess, key: str, request_id: str) -> httpx.Response:
 def _raw_model(server: ServerProcess, key: str) -> str:
     """A model driven by raw HTTP, so the test controls its seq_ids."""
     session = _post(server, "create_session", key, json={"tags": [], "user_metadata": {}}).json()["session_id"]
-    body = {"session_id": session, "model_seq_id": 0, "base_model": server.base_model, "lora_config": {"rank": 2}}
+    body = {"session_id": session, "model_seq_id": 0, "base_model": server.base_model, "lora_config": {"rank": 2, "seed": 0}}
     fut = _post(server, "create_model", key, json=body).json()
     assert "model_id" in _result(server, key, fut["request_id"]).json()
     return str(fut["model_id"])
