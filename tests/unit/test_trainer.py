@@ -74,3 +74,21 @@ def test_adapters_and_base_are_isolated(trainer: Trainer) -> None:
     for k, v in base_before.items():
         if "lora" not in k:
             assert torch.equal(v, after[k]), k
+
+
+def test_non_finite_loss_fails_only_that_job(trainer: Trainer) -> None:
+    """Finite inputs can still overflow (weights near float32 max): the job fails as a user error, no gradient is
+    accumulated, and the same adapter and others go on training."""
+    _ok(trainer, _job("x", 0, CreateModel(lora=LoraSpec(rank=2, seed=1))))
+    job = _fb("x", 1, [5, 6, 7, 8])
+    msg = pb.ForwardBackwardRequest.FromString(job.payload.request_pb)
+    n = 3
+    msg.data[0].loss_fn_inputs["weights"].CopyFrom(
+        pb.Tensor(dense=np.full(n, 3e38, "<f4").tobytes(), dtype=pb.DTYPE_FLOAT32, shape=[n]))
+    bad = _job("x", 1, ForwardBackward(request_pb=msg.SerializeToString(), forward_only=False))
+    result = trainer.execute(bad)
+    assert not result.ok and result.error is not None and result.error.category.value == "user"
+    assert "not finite" in result.error.message
+    assert all(g is None for g in trainer.pool.get("x").grads)
+    _ok(trainer, _fb("x", 2, [5, 6, 7, 8]))
+    assert all(g is not None and torch.isfinite(g).all() for g in trainer.pool.get("x").grads)
