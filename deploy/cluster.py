@@ -16,6 +16,8 @@ from api_schemas.models import ServedModel
 from jobqueue.redis_queue import RedisQueue
 from server.app import Background, create_app
 from server.config import Settings
+from workers.checkpoints.hub import HubPusherPool
+from workers.checkpoints.store import CheckpointStore
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +53,10 @@ def build_gateway_app(settings: Settings) -> FastAPI:
             await dispatcher.run()
 
         background += [run_trainer, run_sampler]
-    return create_app(settings, queue, served, background=background)
+    # hub uploads run on the gateway's own threads; they read the checkpoints from the shared storage
+    pusher = HubPusherPool(CheckpointStore(settings.storage_location, settings.storage_cache_dir),
+                           settings.hub_push_concurrency)
+    return create_app(settings, queue, served, background=background, pusher=pusher)
 
 
 async def follow_registry(queue: RedisQueue, served: dict[str, ServedModel]) -> None:

@@ -12,6 +12,7 @@ from api_schemas.models import ServedModel
 from jobqueue.local_queue import LocalQueue
 from server.app import create_app
 from server.config import Settings
+from workers.checkpoints.hub import HubPusherPool
 from workers.checkpoints.store import CheckpointStore
 from workers.dispatcher import Dispatcher
 from workers.engine.base_model import BaseModel
@@ -38,7 +39,7 @@ def build_trainer(settings: Settings) -> tuple[ServedModel, Trainer, CheckpointS
         tokenizer_id=tokenizer_id_for(folder),
         arch=(cfg.get("architectures") or [None])[0],
     )
-    store = CheckpointStore(settings.checkpoint_dir)
+    store = CheckpointStore(settings.storage_location, settings.storage_cache_dir)
     return served, Trainer(base, store), store
 
 
@@ -54,4 +55,5 @@ def build_embedded_app(settings: Settings) -> FastAPI:
         shared_base=trainer.base,  # one copy of the weights (workers/sampling/torch_sampler.py says why it is safe)
     )
     sampling = SamplerWorker(queue, queue_name(served.name, "sample"), sampler)
-    return create_app(settings, queue, {served.name: served}, background=[dispatcher.run, sampling.run])
+    pusher = HubPusherPool(store, settings.hub_push_concurrency)  # hub uploads on their own threads
+    return create_app(settings, queue, {served.name: served}, background=[dispatcher.run, sampling.run], pusher=pusher)

@@ -11,15 +11,21 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
+from api_schemas.hub import HubPusher
 from api_schemas.models import ServedModel
 from jobqueue.base import JobQueue
+from jobqueue.storage import CheckpointStorage
 from server.api import openai
 from server.api.tinker import bootstrap, futures, models, sampling, sessions, training
+from server.api.native import hub as native_hub
+from server.api.tinker import checkpoints, downloads, runs
 from server.auth.keys import KeyCache
 from server.config import Settings
 from server.db.database import Database
 from server.errors import DomainError
 from server.services.context import Context
+from server.services.lifecycle import run_maintenance
+from server.services.secrets import Keyring, load_secret
 
 log = logging.getLogger(__name__)
 
@@ -31,15 +37,20 @@ def create_app(
     queue: JobQueue,
     served: dict[str, ServedModel],
     background: Sequence[Background] = (),
+    pusher: HubPusher | None = None,
 ) -> FastAPI:
-    """`background` are long-running coroutines started with the app (the in-process workers in embedded mode)."""
+    """`background` are long-running coroutines started with the app (the in-process workers in embedded mode);
+    `pusher` uploads checkpoints to a model hub (workers/checkpoints/hub.py, wired by deploy/)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         db = Database(settings.sqlalchemy_url)
         await db.create_schema()
-        app.state.ctx = Context(settings=settings, db=db, queue=queue, models=served)
+        storage = CheckpointStorage(settings.storage_location, settings.storage_cache_dir)
+        app.state.ctx = ctx = Context(settings=settings, db=db, queue=queue, models=served, storage=storage,
+                                      keyring=Keyring(load_secret(settings)), pusher=pusher)
         tasks = [asyncio.create_task(fn()) for fn in background]
+        tasks.append(asyncio.create_task(run_maintenance(ctx)))  # TTL sweep, unsettled saves, auto-push
         for t in tasks:
             t.add_done_callback(_log_crash)
         try:
@@ -56,6 +67,9 @@ def create_app(
     for module in (bootstrap, sessions, models, training, sampling, futures):
         app.include_router(module.router, prefix="/api/v1", tags=["tinker"])
     app.include_router(openai.router, prefix="/v1", tags=["openai"])
+    for module in (checkpoints, runs, downloads):
+        app.include_router(module.router, prefix="/api/v1", tags=["tinker"])
+    app.include_router(native_hub.router, prefix="/native/v1", tags=["native"])
 
     @app.exception_handler(DomainError)
     async def _domain_error(_: Request, e: DomainError) -> JSONResponse:

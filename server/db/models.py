@@ -110,3 +110,44 @@ class SamplingSessionRow(Base):
     ephemeral: Mapped[bool] = mapped_column(Boolean, default=False)  # from save_weights_and_get_sampling_client
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     __table_args__ = (UniqueConstraint("session_id", "seq_id"),)
+
+
+class HubTokenRow(Base):
+    """A tenant's access token for a model hub, encrypted with the server secret (server/services/secrets.py)."""
+
+    __tablename__ = "hub_tokens"
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), primary_key=True)
+    provider: Mapped[str] = mapped_column(String(32), primary_key=True)  # huggingface | modelscope
+    ciphertext: Mapped[str] = mapped_column(String(4096))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class HubPushRow(Base):
+    """One upload of a checkpoint to a hub repository; the client polls its status."""
+
+    __tablename__ = "hub_pushes"
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), index=True)
+    tinker_path: Mapped[str] = mapped_column(String(1024))
+    storage_key: Mapped[str] = mapped_column(String(1024))
+    provider: Mapped[str] = mapped_column(String(32))
+    repo_id: Mapped[str] = mapped_column(String(256))
+    private: Mapped[bool] = mapped_column(Boolean, default=True)
+    trigger: Mapped[str] = mapped_column(String(16), default="request")  # request | auto
+    status: Mapped[str] = mapped_column(String(16), default="queued")  # queued | running | succeeded | failed
+    error: Mapped[str | None] = mapped_column(String(2048), nullable=True)
+    url: Mapped[str | None] = mapped_column(String(1024), nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class AutoPushRow(Base):
+    """Per-run setting: push the run's newest checkpoint when its session finishes."""
+
+    __tablename__ = "auto_pushes"
+    model_id: Mapped[str] = mapped_column(ForeignKey("models.id"), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), index=True)
+    provider: Mapped[str] = mapped_column(String(32))
+    repo_id: Mapped[str] = mapped_column(String(256))
+    private: Mapped[bool] = mapped_column(Boolean, default=True)
+    push_id: Mapped[str | None] = mapped_column(String(64), nullable=True)  # set once triggered

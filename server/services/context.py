@@ -5,13 +5,16 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
+from api_schemas.hub import HubPusher
 from api_schemas.jobs import Job, Payload
 from api_schemas.models import ServedModel
 from jobqueue.base import DuplicateJobMismatch, JobQueue
+from jobqueue.storage import CheckpointStorage
 from server.config import Settings
 from server.db.database import Database
 from server.db.models import ModelRow
 from server.errors import BadRequest, NotFound
+from server.services.secrets import Keyring
 
 
 @dataclass
@@ -20,6 +23,9 @@ class Context:
     db: Database
     queue: JobQueue
     models: dict[str, ServedModel]  # served base models by name
+    storage: CheckpointStorage | None = None  # checkpoint files, shared with the workers (jobqueue/storage.py)
+    keyring: Keyring | None = None  # signs download URLs, encrypts hub tokens (server/services/secrets.py)
+    pusher: HubPusher | None = None  # runs one hub upload off the event loop; wired by deploy/ (None: no hub push)
 
     # model id -> its row (owner and LoRA shape never change): training ops skip one SQL round trip each
     model_rows: dict[str, ModelRow] = field(default_factory=dict)

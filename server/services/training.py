@@ -7,6 +7,7 @@ import re
 
 from api_schemas.jobs import AdamSpec, ForwardBackward, LoadWeights, OptimStep, Payload, SaveWeights, Skip
 from api_schemas.tinker.proto import ProtoDecodeError, decode_forward_backward, decompress, parse_forward_backward
+from api_schemas.tinker.rest import SaveWeightsExternalRequest
 from api_schemas.tinker.types import (
     NAME_PATTERN,
     LoadWeightsRequest,
@@ -104,6 +105,17 @@ async def save_weights_for_sampler(ctx: Context, tenant_id: str, req: SaveWeight
                        req.user_metadata, "SaveWeightsForSamplerResponse")
 
 
+async def save_weights_external(ctx: Context, tenant_id: str, req: SaveWeightsExternalRequest) -> UntypedFuture:
+    """A PEFT-format export under external_weights/, downloadable through signed URLs (services/downloads.py)."""
+    model = await owned_model(ctx, tenant_id, req.model_id)
+    if req.age_encryption_recipients:
+        async def reject() -> Payload:
+            raise BadRequest("age encryption of exports is not supported by this server; omit age_encryption_recipients")
+        return await _queue_op(ctx, tenant_id, model, req.seq_id, reject, "SaveWeightsExternalResponse")
+    return await _save(ctx, tenant_id, model, req.seq_id, "external_weights", req.path, req.ttl_seconds, True,
+                       None, "SaveWeightsExternalResponse")
+
+
 async def _save(ctx: Context, tenant_id: str, model: ModelRow, seq_id: int, kind: str, name: str,  # noqa: PLR0913
                 ttl: int | None, overwrite: bool, metadata: dict[str, str] | None, result_type: str) -> UntypedFuture:
     tinker_path = f"tinker://{model.id}/{kind}/{name}"
@@ -113,6 +125,7 @@ async def _save(ctx: Context, tenant_id: str, model: ModelRow, seq_id: int, kind
         if not re.match(NAME_PATTERN, name):
             raise BadRequest(f"checkpoint name {name!r} must match {NAME_PATTERN} (letters, digits, . _ -)")
         expires = ckpt.expiry(ttl)
+        left = await ckpt.quota_left(ctx, tenant_id, model.id, kind, name)  # 403 when the tenant's quota is full
         async with ctx.db.session() as s:
             row = await repo.checkpoint(s, model.id, kind, name)
             if row is not None and not overwrite:
@@ -122,7 +135,8 @@ async def _save(ctx: Context, tenant_id: str, model: ModelRow, seq_id: int, kind
                 s.add(row)
             row.status, row.request_id, row.expires_at = "pending", "", expires
             row.user_metadata = dict(metadata or {})
-        return SaveWeights(storage_key=key, tinker_path=tinker_path, with_optimizer=kind == "weights")
+        return SaveWeights(storage_key=key, tinker_path=tinker_path, with_optimizer=kind == "weights",
+                           max_bytes=left)
 
     async with ctx.db.session() as s:  # a retry of the same save (same seq_id) gets the same future back
         existing = await repo.checkpoint(s, model.id, kind, name)

@@ -1,0 +1,1 @@
+"""Types of the native (superset) API, served under /native/v1."""

@@ -1,0 +1,1 @@
+"""Routes of the native (superset) API, under /native/v1."""

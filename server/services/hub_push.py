@@ -1,0 +1,202 @@
+"""Hub push: upload a checkpoint to the Hugging Face Hub or ModelScope (private by default) in the background.
+
+Tokens are per tenant, stored encrypted (server/services/secrets.py) and never returned or logged. A push is a row
+the client polls (queued -> running -> succeeded | failed, with the error); the upload itself runs in the pusher
+deploy/ wired in (workers/checkpoints/hub.py on a thread pool), so the event loop never waits on the network.
+A run with an auto-push setting is pushed once its session has finished and its saves have settled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+
+from api_schemas.hub import HubPushFailed, HubPushSpec, Provider
+from api_schemas.native.hub import AutoPushRequest, AutoPushStatus, HubTokenStatus, PushRequest, PushStatus
+from server.db import lifecycle_repo as lrepo
+from server.db import repositories as repo
+from server.db.models import AutoPushRow, HubPushRow, HubTokenRow, utcnow
+from server.errors import BadRequest, DomainError, NotFound
+from server.services import checkpoints as ckpt
+from server.services.context import Context
+from server.services.downloads import keyring
+
+log = logging.getLogger(__name__)
+_running: set[asyncio.Task[None]] = set()  # strong references: a task nobody holds may be collected mid-push
+_PREFERENCE = ("sampler_weights", "external_weights", "weights")  # what an auto-push uploads, first found
+
+
+class HubUnavailable(DomainError):
+    status, category = 503, "server"
+
+
+async def set_token(ctx: Context, tenant_id: str, provider: Provider, token: str) -> HubTokenStatus:
+    sealed = keyring(ctx).encrypt(token)
+    async with ctx.db.session() as s:
+        row = await lrepo.hub_token(s, tenant_id, provider)
+        if row is None:
+            row = HubTokenRow(tenant_id=tenant_id, provider=provider, ciphertext=sealed)
+            s.add(row)
+        row.ciphertext, row.created_at = sealed, utcnow()
+    return HubTokenStatus(provider=provider, configured=True, updated_at=row.created_at)
+
+
+async def token_status(ctx: Context, tenant_id: str, provider: Provider) -> HubTokenStatus:
+    async with ctx.db.session() as s:
+        row = await lrepo.hub_token(s, tenant_id, provider)
+    return HubTokenStatus(provider=provider, configured=row is not None,
+                          updated_at=ckpt.aware(row.created_at) if row else None)
+
+
+async def delete_token(ctx: Context, tenant_id: str, provider: Provider) -> HubTokenStatus:
+    async with ctx.db.session() as s:
+        await lrepo.delete_hub_token(s, tenant_id, provider)
+    return HubTokenStatus(provider=provider, configured=False)
+
+
+def to_wire(row: HubPushRow) -> PushStatus:
+    return PushStatus(
+        push_id=row.id, status=row.status, tinker_path=row.tinker_path, provider=row.provider,  # type: ignore[arg-type]
+        repo_id=row.repo_id, private=row.private, trigger=row.trigger, error=row.error, url=row.url,  # type: ignore[arg-type]
+        created_at=ckpt.aware(row.created_at), finished_at=ckpt.aware(row.finished_at),  # type: ignore[arg-type]
+    )
+
+
+async def start_push(ctx: Context, tenant_id: str, req: PushRequest) -> PushStatus:
+    """Pushes a checkpoint the tenant can read (its own, or a published one)."""
+    if ctx.pusher is None:
+        raise HubUnavailable("hub push is not available in this deployment")
+    source = await ckpt.readable(ctx, tenant_id, req.tinker_path)
+    async with ctx.db.session() as s:
+        if await lrepo.hub_token(s, tenant_id, req.provider) is None:
+            raise BadRequest(f"no {req.provider} token stored for this tenant; PUT /native/v1/hub/tokens/{req.provider}")
+    row = await _launch(ctx, tenant_id, source.tinker_path, source.storage_key, req.provider, req.repo_id,
+                        req.private, "request")
+    return to_wire(row)
+
+
+async def _launch(ctx: Context, tenant_id: str, tinker_path: str, storage_key: str, provider: str, repo_id: str,  # noqa: PLR0913
+                  private: bool, trigger: str, error: str | None = None) -> HubPushRow:
+    row = HubPushRow(id=str(uuid.uuid4()), tenant_id=tenant_id, tinker_path=tinker_path, storage_key=storage_key,
+                     provider=provider, repo_id=repo_id, private=private, trigger=trigger)
+    if error is not None:
+        row.status, row.error, row.finished_at = "failed", error, utcnow()
+    async with ctx.db.session() as s:
+        await repo.add(s, row)
+    if error is None:
+        task = asyncio.create_task(_run(ctx, row.id))
+        _running.add(task)
+        task.add_done_callback(_running.discard)
+    return row
+
+
+async def _run(ctx: Context, push_id: str) -> None:
+    async with ctx.db.session() as s:
+        row = await lrepo.push_by_id(s, push_id)
+        token_row = await lrepo.hub_token(s, row.tenant_id, row.provider) if row else None
+        if row is None:
+            return
+        row.status = "running"
+    token = ""
+    try:
+        if token_row is None:
+            raise HubPushFailed(f"the {row.provider} token was removed before the push started")
+        token = keyring(ctx).decrypt(token_row.ciphertext)
+        endpoint = ctx.settings.hf_endpoint if row.provider == "huggingface" else ctx.settings.modelscope_endpoint
+        spec = HubPushSpec(provider=row.provider, endpoint=endpoint, token=token, repo_id=row.repo_id,  # type: ignore[arg-type]
+                           private=row.private, storage_key=row.storage_key,
+                           commit_message=f"Upload {row.tinker_path} from Twinkle server")
+        assert ctx.pusher is not None
+        outcome = await ctx.pusher(spec)
+        status, error, url = "succeeded", None, outcome.url
+    except Exception as e:  # every failure is reported on the push, never swallowed
+        message = str(e) if isinstance(e, HubPushFailed) else f"{type(e).__name__}: {e}"
+        status, error, url = "failed", _scrub(message, token)[:2000], None
+        log.info("hub push %s failed: %s", push_id, error)
+    async with ctx.db.session() as s:
+        fresh = await lrepo.push_by_id(s, push_id)
+        if fresh is not None:
+            fresh.status, fresh.error, fresh.url, fresh.finished_at = status, error, url, utcnow()
+
+
+def _scrub(message: str, token: str) -> str:
+    return message.replace(token, "***") if token else message
+
+
+async def get_push(ctx: Context, tenant_id: str, push_id: str) -> PushStatus:
+    async with ctx.db.session() as s:
+        row = await lrepo.push_of(s, tenant_id, push_id)
+    if row is None:
+        raise NotFound(f"push {push_id} not found")
+    return to_wire(row)
+
+
+async def fail_interrupted(ctx: Context) -> None:
+    """At start: pushes a previous process left unfinished are reported failed (the client may push again)."""
+    async with ctx.db.session() as s:
+        for row in await lrepo.unfinished_pushes(s):
+            row.status, row.error, row.finished_at = "failed", "interrupted by a server restart; push again", utcnow()
+
+
+async def set_auto_push(ctx: Context, tenant_id: str, model_id: str, req: AutoPushRequest) -> AutoPushStatus:
+    async with ctx.db.session() as s:
+        if await repo.model_of(s, tenant_id, model_id) is None:
+            raise NotFound(f"training run {model_id} not found")
+        row = await lrepo.auto_push_of(s, tenant_id, model_id)
+        if row is None:
+            row = AutoPushRow(model_id=model_id, tenant_id=tenant_id, provider=req.provider, repo_id=req.repo_id)
+            s.add(row)
+        row.provider, row.repo_id, row.private, row.push_id = req.provider, req.repo_id, req.private, None
+    return _auto_wire(row)
+
+
+async def get_auto_push(ctx: Context, tenant_id: str, model_id: str) -> AutoPushStatus:
+    async with ctx.db.session() as s:
+        row = await lrepo.auto_push_of(s, tenant_id, model_id)
+    if row is None:
+        raise NotFound(f"training run {model_id} has no auto-push setting")
+    return _auto_wire(row)
+
+
+async def delete_auto_push(ctx: Context, tenant_id: str, model_id: str) -> None:
+    async with ctx.db.session() as s:
+        row = await lrepo.auto_push_of(s, tenant_id, model_id)
+        if row is None:
+            raise NotFound(f"training run {model_id} has no auto-push setting")
+        await s.delete(row)
+
+
+def _auto_wire(row: AutoPushRow) -> AutoPushStatus:
+    return AutoPushStatus(training_run_id=row.model_id, provider=row.provider, repo_id=row.repo_id,  # type: ignore[arg-type]
+                          private=row.private, push_id=row.push_id)
+
+
+async def trigger_auto_pushes(ctx: Context) -> None:
+    """Runs whose session finished: push their newest checkpoint (a failed push row when there is nothing)."""
+    async with ctx.db.session() as s:
+        due = await lrepo.due_auto_pushes(s)
+    for rule, run in due:
+        async with ctx.db.session() as s:
+            if await lrepo.pending_saves_of_run(s, run.id):
+                continue  # a save is still settling; the next round pushes it
+            source = None
+            for kind in _PREFERENCE:
+                source = await lrepo.latest_checkpoint(s, run.id, kind)
+                if source is not None:
+                    break
+            has_token = await lrepo.hub_token(s, rule.tenant_id, rule.provider) is not None
+        error = None
+        if ctx.pusher is None:
+            error = "hub push is not available in this deployment"
+        elif source is None:
+            error = "the run finished without a saved checkpoint"
+        elif not has_token:
+            error = f"no {rule.provider} token stored for this tenant"
+        path = source.tinker_path if source is not None else f"tinker://{run.id}"
+        row = await _launch(ctx, rule.tenant_id, path, source.storage_key if source else "", rule.provider,
+                            rule.repo_id, rule.private, "auto", error)
+        async with ctx.db.session() as s:
+            fresh = await lrepo.auto_push_of(s, rule.tenant_id, run.id)
+            if fresh is not None:
+                fresh.push_id = row.id

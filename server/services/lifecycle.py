@@ -1,0 +1,31 @@
+"""The gateway's maintenance loop, started in the app lifespan: expire checkpoints past their TTL (files and rows),
+settle saves whose future nobody collected, and start the auto-pushes of finished runs.
+
+Every step is idempotent, so several gateways of a cluster may run the loop side by side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from server.services import checkpoints as ckpt
+from server.services import hub_push
+from server.services.context import Context
+
+log = logging.getLogger(__name__)
+
+
+async def run_maintenance(ctx: Context) -> None:
+    await hub_push.fail_interrupted(ctx)
+    while True:
+        await maintain_once(ctx)
+        await asyncio.sleep(ctx.settings.maintenance_interval_seconds)
+
+
+async def maintain_once(ctx: Context) -> None:
+    for step in (ckpt.sweep_expired, ckpt.settle_pending, hub_push.trigger_auto_pushes):
+        try:
+            await step(ctx)
+        except Exception:  # one failing step must not stop the others, nor the next round
+            log.exception("maintenance step %s failed", step.__name__)

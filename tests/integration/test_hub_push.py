@@ -1,0 +1,129 @@
+"""Hub push end to end: the server (a subprocess) uploads checkpoints with huggingface_hub to a local fake Hub on a
+free port (TWINKLE_HF_ENDPOINT), in the background, with a status the client polls on the native API.
+
+The server gets HF_HUB_OFFLINE=0 (it must reach the fake Hub) and HF_HUB_DISABLE_XET=1 (the fake speaks the LFS
+upload protocol, not Xet).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import pytest
+import tinker
+
+from tests.conformance.rest_support import trained_client
+from tests.integration.fake_hub import FakeHub
+from tests.support.server import ServerProcess
+
+TOKEN_A = "hf_tenantA_0123456789abcdefSECRET"
+
+
+@pytest.fixture(scope="module")
+def hub() -> Iterator[FakeHub]:
+    with FakeHub({TOKEN_A}) as h:
+        yield h
+
+
+@pytest.fixture(scope="module")
+def srv(hub: FakeHub, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    env = {"TWINKLE_HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_XET": "1",
+           "TWINKLE_MAINTENANCE_INTERVAL_SECONDS": "1"}
+    s = ServerProcess(tmp_path_factory.mktemp("hub-server"), str(tiny_model_dir), env=env)
+    s.api_key_a = s.create_key("tenant-a")  # type: ignore[attr-defined]
+    s.api_key_b = s.create_key("tenant-b")  # type: ignore[attr-defined]
+    s.start()
+    yield s
+    s.stop()
+
+
+def native(srv: ServerProcess, method: str, path: str, key: str = "a", **kw: Any) -> httpx.Response:
+    headers = {"X-API-Key": getattr(srv, f"api_key_{key}")}
+    return httpx.request(method, f"{srv.base_url}/native/v1{path}", headers=headers, timeout=30, **kw)
+
+
+def wait_push(srv: ServerProcess, push_id: str, key: str = "a", timeout: float = 60) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        body = native(srv, "GET", f"/pushes/{push_id}", key).json()
+        if body["status"] in ("succeeded", "failed"):
+            return body
+        time.sleep(0.2)
+    raise AssertionError(f"push {push_id} did not finish: {body}")
+
+
+def folder_files(srv: ServerProcess, tinker_path: str) -> dict[str, bytes]:
+    run_id, kind, name = tinker_path.removeprefix("tinker://").split("/")
+    (folder,) = srv.data_dir.glob(f"checkpoints/*/{run_id}/{kind}/{name}")
+    return {f.relative_to(folder).as_posix(): f.read_bytes() for f in folder.rglob("*") if f.is_file()}
+
+
+def test_push_is_private_by_default_and_token_stays_secret(srv: ServerProcess, hub: FakeHub) -> None:
+    with tinker.ServiceClient(base_url=srv.base_url, api_key=srv.api_key_a) as sc:  # type: ignore[attr-defined]
+        path = trained_client(sc, srv.base_model).save_weights_for_sampler("pushme").result().path
+    assert native(srv, "POST", "/checkpoints/push", json={"tinker_path": path, "repo_id": "alice/lora"}).status_code == 400
+    stored = native(srv, "PUT", "/hub/tokens/huggingface", json={"token": TOKEN_A})
+    assert stored.status_code == 200 and stored.json()["configured"] and TOKEN_A not in stored.text
+    assert TOKEN_A not in native(srv, "GET", "/hub/tokens/huggingface").text
+
+    started = native(srv, "POST", "/checkpoints/push", json={"tinker_path": path, "repo_id": "alice/lora"})
+    assert started.status_code == 202 and started.json()["status"] in ("queued", "running", "succeeded")
+    done = wait_push(srv, started.json()["push_id"])
+    assert done["status"] == "succeeded", done
+    assert done["url"].startswith(f"{hub.url}/alice/lora/commit/") and done["private"]
+
+    repo = hub.repos["alice/lora"]
+    assert repo.visibility == "private"
+    expected = folder_files(srv, path)
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(expected)
+    assert repo.files == expected
+    assert f"Bearer {TOKEN_A}" in hub.seen_auth
+    assert TOKEN_A not in srv.log()
+    assert TOKEN_A.encode() not in (srv.data_dir / "twinkle.db").read_bytes()  # encrypted at rest
+
+
+def test_failures_are_reported_and_tenants_isolated(srv: ServerProcess, hub: FakeHub) -> None:
+    bad_token = "hf_tenantB_wrong_token_999"
+    with tinker.ServiceClient(base_url=srv.base_url, api_key=srv.api_key_b) as sc:  # type: ignore[attr-defined]
+        b_path = trained_client(sc, srv.base_model, steps=0).save_weights_for_sampler("b").result().path
+    assert native(srv, "PUT", "/hub/tokens/huggingface", "b", json={"token": bad_token}).status_code == 200
+    started = native(srv, "POST", "/checkpoints/push", "b", json={"tinker_path": b_path, "repo_id": "bob/lora"})
+    done = wait_push(srv, started.json()["push_id"], "b")
+    assert done["status"] == "failed" and "401" in done["error"] and bad_token not in done["error"]
+    assert "bob/lora" not in hub.repos
+
+    a_paths = [c.tinker_path for c in tinker.RestClient(base_url=srv.base_url, api_key=srv.api_key_a)  # type: ignore[attr-defined]
+               .list_user_checkpoints().result().checkpoints]
+    assert a_paths
+    stolen = native(srv, "POST", "/checkpoints/push", "b", json={"tinker_path": a_paths[0], "repo_id": "bob/stolen"})
+    assert stolen.status_code == 404
+    assert native(srv, "GET", f"/pushes/{started.json()['push_id']}", "a").status_code == 404
+    assert native(srv, "GET", "/hub/tokens/modelscope", "b").json()["configured"] is False
+
+
+def test_auto_push_when_the_run_finishes(srv: ServerProcess, hub: FakeHub) -> None:
+    assert native(srv, "PUT", "/hub/tokens/huggingface", json={"token": TOKEN_A}).status_code == 200
+    sc = tinker.ServiceClient(base_url=srv.base_url, api_key=srv.api_key_a)  # type: ignore[attr-defined]
+    tc = trained_client(sc, srv.base_model)
+    rule = native(srv, "PUT", f"/training_runs/{tc.model_id}/auto_push",
+                  json={"repo_id": "alice/auto", "private": False})
+    assert rule.status_code == 200 and rule.json()["push_id"] is None
+    assert native(srv, "PUT", f"/training_runs/{tc.model_id}/auto_push", "b",
+                  json={"repo_id": "bob/x"}).status_code == 404
+    tc.save_state("early").result()
+    path = tc.save_weights_for_sampler("final").result().path
+    time.sleep(2.5)  # several maintenance rounds: nothing is pushed while the session is live
+    assert native(srv, "GET", f"/training_runs/{tc.model_id}/auto_push").json()["push_id"] is None
+    sc.close("success").result()
+
+    deadline = time.monotonic() + 30
+    while (push_id := native(srv, "GET", f"/training_runs/{tc.model_id}/auto_push").json()["push_id"]) is None:
+        assert time.monotonic() < deadline, "auto-push never started"
+        time.sleep(0.3)
+    done = wait_push(srv, push_id)
+    assert done["status"] == "succeeded" and done["trigger"] == "auto" and done["tinker_path"] == path, done
+    assert hub.repos["alice/auto"].visibility == "public"
+    assert hub.repos["alice/auto"].files == folder_files(srv, path)
