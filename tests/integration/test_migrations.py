@@ -63,15 +63,21 @@ def test_sqlite_up_down_up_matches_models(tmp_path: Path) -> None:
 
 
 def test_database_made_by_create_all_is_adopted(tmp_path: Path) -> None:
+    """Pre-migration databases: one with the initial tables only (upgraded from 0001), one with today's tables."""
+
     async def go() -> None:
         from server.db import migrations
 
-        db = Database(f"sqlite:///{tmp_path / 'old.db'}")
-        async with db.engine.begin() as conn:
-            await conn.run_sync(Base.metadata.create_all)
-        await db.create_schema()
-        assert await db.migrate("current", "") == migrations.head()
-        await db.close()
+        initial = ("tenants", "api_keys", "sessions", "models", "checkpoints")
+        for name, tables in (("old.db", [Base.metadata.tables[t] for t in initial]), ("new.db", None)):
+            db = Database(f"sqlite:///{tmp_path / name}")
+            async with db.engine.begin() as conn:
+                await conn.run_sync(lambda c: Base.metadata.create_all(c, tables=tables))
+            await db.create_schema()
+            assert await db.migrate("current", "") == migrations.head()
+            async with db.engine.connect() as conn:
+                assert await conn.run_sync(_tables) == set(Base.metadata.tables)
+            await db.close()
 
     asyncio.run(go())
 
@@ -86,7 +92,10 @@ def test_normalize_url() -> None:
 def test_cli_migrate_on_postgres(postgres_url: str, tmp_path: Path) -> None:
     plain = postgres_url.replace("postgresql+asyncpg://", "postgresql://")
     base = [sys.executable, "-m", "deploy.cli", "migrate", "--database-url", plain, "--data-dir", str(tmp_path)]
-    for args, expect in ((["up"], "0001"), (["current"], "0001"), (["down", "--revision", "base"], "base")):
+    from server.db import migrations
+
+    newest = migrations.head()
+    for args, expect in ((["up"], newest), (["current"], newest), (["down", "--revision", "base"], "base")):
         out = subprocess.run(base + args, capture_output=True, text=True, timeout=120, cwd="/")
         assert out.returncode == 0, out.stderr
         assert expect in out.stdout, out.stdout
