@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from types import ModuleType
 
 from sqlalchemy import event, inspect, text
 from sqlalchemy.engine import Connection
@@ -79,10 +80,19 @@ def _migrate(conn: Connection, action: str, revision: str) -> str | None:
         conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _MIGRATION_LOCK})
     if action == "upgrade":
         if migrations.current(conn) is None and inspect(conn).has_table("tenants"):
-            migrations.stamp(conn, "0001")  # made by create_all before there were migrations: same tables
+            _adopt(conn, migrations)
         migrations.upgrade(conn, revision)
     elif action == "downgrade":
         migrations.downgrade(conn, revision)
     elif action != "current":
         raise ValueError(f"unknown migration action {action!r}")
     return migrations.current(conn)
+
+
+def _adopt(conn: Connection, migrations: ModuleType) -> None:
+    """A database made by create_all (before migrations, or without alembic installed): stamp the revision its
+    tables say it is at, so the upgrade only adds what is missing. All of today's tables: head; else 0001."""
+    from server.db.models import Base
+
+    existing = set(inspect(conn).get_table_names())
+    migrations.stamp(conn, "head" if set(Base.metadata.tables) <= existing else "0001")
