@@ -14,6 +14,8 @@ Anything else raises :class:`ModelNotAvailable`, whose message tells the operato
 
 from __future__ import annotations
 
+import json
+
 import importlib.util
 import logging
 import os
@@ -143,6 +145,7 @@ def _convert_gguf(gguf_file: Path, out_dir: Path) -> None:
         bar.set_postfix_str("save")
         model.save_pretrained(out_dir, safe_serialization=True)
         tokenizer.save_pretrained(out_dir)
+        portable_tokenizer_config(out_dir)
         bar.update(1)
 
     logger.info("converted %s to %s in %.1f s", gguf_file, out_dir, time.monotonic() - started)
@@ -263,3 +266,13 @@ def _remove_stale_partials(target: Path) -> None:
                 shutil.rmtree(leftover, ignore_errors=True)
         except OSError:
             continue
+
+
+def portable_tokenizer_config(folder: Path) -> None:
+    """transformers 5 records `TokenizersBackend`, which clients on transformers 4 cannot load; the generic fast
+    class loads the same tokenizer.json under both."""
+    cfg_path = folder / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    if cfg.get("tokenizer_class") == "TokenizersBackend":
+        cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+        cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False))
