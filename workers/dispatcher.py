@@ -1,6 +1,9 @@
-"""The worker loop: fetch jobs of one queue, order them with the scheduler, run them, publish results.
+"""The worker loop: fetch jobs of one queue, order and batch them with the scheduler, run them, publish results.
 
-Compute runs on one dedicated thread (torch calls block); the loop itself stays responsive.
+Compute runs on one dedicated thread (torch calls block); the loop itself stays responsive. Between two steps
+the loop fetches whatever arrived meanwhile, so jobs of many tenants that arrive during a step are merged into the
+next one (continuous batching). A merged step's results are acknowledged one by one as the engine reports them,
+so each tenant's future completes as soon as its slice is done.
 
 A job is acknowledged together with its result (`queue.complete`), after it ran; a worker that dies before
 that leaves the job to be redelivered to its successor. The first time this worker meets a model that already
@@ -14,14 +17,31 @@ import asyncio
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
+from typing import Callable, Protocol, runtime_checkable
 
 from api_schemas.jobs import ErrorCategory, Job, JobError, JobResult
 from jobqueue.base import JobQueue, LeaseLost
 from workers.recovery import Recovery
-from workers.scheduler import Scheduler
+from workers.scheduler import JobSize, Scheduler, Step
 
 log = logging.getLogger(__name__)
+
+_BUSY_FETCH_TIMEOUT = 0.001  # with work ready, only pick up what already arrived
+
+
+@runtime_checkable
+class StepEngine(Protocol):
+    """What runs merged steps (workers/engine/trainer.Trainer)."""
+
+    def execute(self, job: Job) -> JobResult: ...
+
+    def execute_step(self, jobs: list[Job], on_result: Callable[[JobResult], None]) -> None: ...
+
+    def measure(self, job: Job) -> JobSize: ...
+
+
+def _server_error(job: Job, message: str = "worker error") -> JobResult:
+    return JobResult(job_id=job.job_id, error=JobError(category=ErrorCategory.SERVER, message=message))
 
 
 class Dispatcher:
@@ -29,15 +49,21 @@ class Dispatcher:
         self,
         queue: JobQueue,
         queue_name: str,
-        execute: Callable[[Job], JobResult],
+        execute: Callable[[Job], JobResult] | StepEngine,
         gap_timeout: float = 30.0,
         fetch_timeout: float = 1.0,
         recovery: Recovery | None = None,
+        token_budget: int = 16384,
     ) -> None:
+        """`execute` is a StepEngine, or the bound `execute` of one (both get merged steps), or a plain function
+        (every job then runs alone)."""
         self.queue = queue
         self.queue_name = queue_name
-        self.execute = execute
-        self.scheduler = Scheduler(gap_timeout)
+        owner = getattr(execute, "__self__", None)
+        self.engine = execute if isinstance(execute, StepEngine) else owner if isinstance(owner, StepEngine) else None
+        self.execute: Callable[[Job], JobResult] = self.engine.execute if self.engine is not None else execute  # type: ignore[assignment]
+        measure = self.engine.measure if self.engine is not None else None
+        self.scheduler = Scheduler(gap_timeout, token_budget=token_budget, measure=measure)
         self.fetch_timeout = fetch_timeout
         self.recovery = recovery
         self._known: set[str] = set()  # models whose durable state this worker has looked up
@@ -50,6 +76,8 @@ class Dispatcher:
             deadline = self.scheduler.next_deadline()
             if deadline is not None:
                 timeout = max(0.0, min(timeout, deadline - time.monotonic()))
+            if self.scheduler.has_ready(time.monotonic()):
+                timeout = _BUSY_FETCH_TIMEOUT
             try:
                 jobs = await self.queue.fetch(self.queue_name, timeout)
             except LeaseLost:
@@ -66,8 +94,37 @@ class Dispatcher:
                 if rejection is not None:
                     await self._complete(JobResult(
                         job_id=job.job_id, error=JobError(category=ErrorCategory.USER, message=rejection.reason)))
-            for job in self.scheduler.pop_ready(time.monotonic()):
+            step = self.scheduler.next_step(time.monotonic())
+            if step is not None:
+                await self._run_step(step)
+
+    async def _run_step(self, step: Step) -> None:
+        if not step.merged or self.engine is None:
+            for job in step.jobs:
                 await self._run(job)
+            return
+        engine, loop = self.engine, asyncio.get_running_loop()
+        by_id = {j.job_id: j for j in step.jobs}
+        acks: list[asyncio.Future[None]] = []
+
+        def on_result(result: JobResult) -> None:  # on the compute thread: acknowledge from the loop, at once
+            job = by_id.pop(result.job_id, None)
+            if job is not None:
+                loop.call_soon_threadsafe(lambda: acks.append(asyncio.ensure_future(self._acknowledge(result, job))))
+
+        try:
+            await loop.run_in_executor(self._executor, engine.execute_step, list(step.jobs), on_result)
+        except Exception:  # execute_step reports its own failures; this guards the loop itself
+            log.exception("executing a step of %d jobs failed", len(step.jobs))
+        await asyncio.sleep(0)  # the callbacks queued before the step returned run first (FIFO)
+        for job in list(by_id.values()):  # every job gets exactly one result
+            acks.append(asyncio.ensure_future(self._acknowledge(_server_error(job), job)))
+        by_id.clear()
+        await asyncio.gather(*acks)
+
+    async def _acknowledge(self, result: JobResult, job: Job) -> None:
+        rec = self.recovery
+        await self._complete(result, job, replay=rec is not None and rec.mutates(job, result))
 
     async def _run(self, job: Job) -> None:
         loop = asyncio.get_running_loop()
@@ -75,7 +132,7 @@ class Dispatcher:
             result = await loop.run_in_executor(self._executor, self.execute, job)
         except Exception:  # execute() reports its own failures; this guards the loop itself
             log.exception("executing %s failed", job.job_id)
-            result = JobResult(job_id=job.job_id, error=JobError(category=ErrorCategory.SERVER, message="worker error"))
+            result = _server_error(job)
         rec = self.recovery
         await self._complete(result, job, replay=rec is not None and rec.mutates(job, result))
         if rec is not None and rec.wants_snapshot(job, result):

@@ -1,21 +1,38 @@
-"""Pure ordering decisions: which queued jobs may run now. No I/O, no clock of its own (time is passed in).
+"""Pure ordering and batching decisions: which queued jobs run now, and which run together in one step.
+
+No I/O, no clock of its own (time is passed in), no torch.
 
 Per model, operations run strictly in `seq_id` order: a model's line starts at seq 0 (create_model or a
 create-via-load) and each executed job advances it by one. Early arrivals wait. A job whose predecessor never
 arrives (a lost or rejected request) waits at most `gap_timeout` seconds; then the gap is skipped.
+
+`next_step` turns the heads of the lines into steps:
+- a *barrier* head (create, optim_step, save, load, skip) runs alone; it holds back only its own model;
+- the *mergeable* heads (forward / forward_backward) of different models run together in one merged step,
+  at most one job per model, up to `token_budget` padded tokens (rows x longest row). The first job picked
+  always runs, even when it alone exceeds the budget, so a huge batch is delayed at most by fairness.
+Fairness between tenants is start-time fair queueing on tokens: every tenant has a finish tag F (tokens it was
+served, in virtual time); a job of tenant t starts at S = max(F_t, V), where V is the start tag of the job most
+recently picked, and the candidate with the smallest S is picked next. A tenant that sends a huge batch advances
+its own tag by that many tokens, so a small tenant's next job is picked before the huge tenant's next one; a
+tenant returning from idle starts at V, never with banked credit.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
-from api_schemas.jobs import Job
+from api_schemas.jobs import ForwardBackward, Job
 
 
-@dataclass
-class _Line:
-    next_seq: int
-    pending: dict[int, tuple[Job, float]] = field(default_factory=dict)  # seq -> (job, arrival time)
+@dataclass(frozen=True)
+class JobSize:
+    """The work of one job: its rows (datums), its longest row and its total tokens."""
+
+    rows: int = 1
+    max_len: int = 1
+    tokens: int = 1
 
 
 @dataclass(frozen=True)
@@ -24,10 +41,56 @@ class Rejection:
     reason: str
 
 
+@dataclass(frozen=True)
+class Step:
+    """Jobs to run together: one barrier job, or forward/forward_backward jobs of distinct models."""
+
+    jobs: tuple[Job, ...]
+    merged: bool
+
+
+@dataclass
+class _Entry:
+    job: Job
+    arrived: float
+    size: JobSize
+
+
+@dataclass
+class _Line:
+    next_seq: int
+    pending: dict[int, _Entry] = field(default_factory=dict)
+
+    def head(self) -> _Entry | None:
+        return self.pending.get(self.next_seq)
+
+    def pop_head(self) -> Job:
+        entry = self.pending.pop(self.next_seq)
+        self.next_seq += 1
+        return entry.job
+
+
+def mergeable(job: Job) -> bool:
+    return isinstance(job.payload, ForwardBackward)
+
+
+def _unit_size(job: Job) -> JobSize:
+    return JobSize()
+
+
 class Scheduler:
-    def __init__(self, gap_timeout: float) -> None:
+    max_barriers_in_a_row = 8
+
+    def __init__(
+        self, gap_timeout: float, token_budget: int = 16384, measure: Callable[[Job], JobSize] | None = None
+    ) -> None:
         self.gap_timeout = gap_timeout
+        self.token_budget = token_budget
+        self.measure = measure or _unit_size
         self._lines: dict[str, _Line] = {}
+        self._finish: dict[str, float] = {}  # tenant -> finish tag (virtual tokens served)
+        self._vtime = 0.0
+        self._barriers_in_a_row = 0
 
     def add(self, job: Job, now: float) -> Rejection | None:
         line = self._lines.get(job.model_id)
@@ -37,27 +100,72 @@ class Scheduler:
             return Rejection(job, f"seq_id {job.seq_id} of {job.model_id} was already executed")
         if job.seq_id in line.pending:
             return Rejection(job, f"seq_id {job.seq_id} of {job.model_id} is already queued")
-        line.pending[job.seq_id] = (job, now)
+        size = self.measure(job) if mergeable(job) else JobSize(0, 0, 0)
+        line.pending[job.seq_id] = _Entry(job, now, size)
         return None
 
-    def pop_ready(self, now: float) -> list[Job]:
-        """Every job that may run now, each model's in seq order; skips gaps older than gap_timeout."""
-        ready: list[Job] = []
+    def _skip_gaps(self, now: float) -> None:
         for line in self._lines.values():
             if line.pending and line.next_seq not in line.pending:
-                oldest = min(arrived for _, arrived in line.pending.values())
+                oldest = min(e.arrived for e in line.pending.values())
                 if now - oldest >= self.gap_timeout:
                     line.next_seq = min(line.pending)
+
+    def pop_ready(self, now: float) -> list[Job]:
+        """Every job that may run now, each model's in seq order (one job at a time, no merging)."""
+        self._skip_gaps(now)
+        ready: list[Job] = []
+        for line in self._lines.values():
             while line.next_seq in line.pending:
-                job, _ = line.pending.pop(line.next_seq)
-                ready.append(job)
-                line.next_seq += 1
+                ready.append(line.pop_head())
         return ready
+
+    def has_ready(self, now: float) -> bool:
+        self._skip_gaps(now)
+        return any(line.next_seq in line.pending for line in self._lines.values())
+
+    def next_step(self, now: float) -> Step | None:
+        """The next step to run, or None when every line waits for a missing seq_id (or is empty)."""
+        self._skip_gaps(now)
+        heads = [(line, e) for line in self._lines.values() if (e := line.head()) is not None]
+        if not heads:
+            return None
+        barriers = [(line, e) for line, e in heads if not mergeable(e.job)]
+        merge = [(line, e) for line, e in heads if mergeable(e.job)]
+        # Barriers are cheap and hold back their own model: they go first, but a stream of them (one tenant's
+        # saves) may delay everybody's merged pass by at most `max_barriers_in_a_row` steps.
+        if barriers and (not merge or self._barriers_in_a_row < self.max_barriers_in_a_row):
+            self._barriers_in_a_row += 1
+            line, _ = min(barriers, key=lambda le: le[1].arrived)
+            return Step((line.pop_head(),), merged=False)
+        self._barriers_in_a_row = 0
+        return Step(tuple(self._pack(merge)), merged=True)
+
+    def _pack(self, heads: list[tuple[_Line, _Entry]]) -> list[Job]:
+        picked: list[Job] = []
+        rows = width = 0
+        candidates = sorted(heads, key=lambda le: le[1].arrived)  # ties go to the earlier arrival
+        while candidates:
+            best = min(candidates, key=self._start_tag)
+            candidates.remove(best)
+            line, entry = best
+            size = entry.size
+            if picked and (rows + size.rows) * max(width, size.max_len) > self.token_budget:
+                continue  # does not fit beside what was picked; a smaller candidate still may
+            s = self._start_tag(best)
+            self._vtime = s
+            self._finish[entry.job.tenant_id] = s + max(size.tokens, 1)
+            rows, width = rows + size.rows, max(width, size.max_len)
+            picked.append(line.pop_head())
+        return picked
+
+    def _start_tag(self, candidate: tuple[_Line, _Entry]) -> float:
+        return max(self._finish.get(candidate[1].job.tenant_id, 0.0), self._vtime)
 
     def next_deadline(self) -> float | None:
         """When the oldest held-back job's gap will be skipped, if any job is held back."""
         times = [
-            min(arrived for _, arrived in line.pending.values()) + self.gap_timeout
+            min(e.arrived for e in line.pending.values()) + self.gap_timeout
             for line in self._lines.values()
             if line.pending
         ]

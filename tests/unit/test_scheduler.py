@@ -1,11 +1,12 @@
-"""Table-driven tests of the pure scheduler: seq_id order, held-back early arrivals, gaps, duplicates."""
+"""Table-driven tests of the pure scheduler: seq_id order, held-back early arrivals, gaps, duplicates, merged steps,
+token budget and fairness between tenants."""
 
 from __future__ import annotations
 
 import pytest
 
-from api_schemas.jobs import Job, Skip
-from workers.scheduler import Scheduler
+from api_schemas.jobs import AdamSpec, ForwardBackward, Job, OptimStep, Skip
+from workers.scheduler import JobSize, Scheduler
 
 
 def job(model: str, seq: int) -> Job:
@@ -55,3 +56,116 @@ def test_rejects_stale_and_duplicate(seq: int, reason: str) -> None:
     s.add(job("m", 1), now=0) if seq == 1 else None
     rejection = s.add(job("m", seq), now=0)
     assert rejection is not None and reason in rejection.reason
+
+
+# --- merged steps, token budget, fairness ---
+
+def fbjob(model: str, seq: int, tenant: str | None = None) -> Job:
+    req = ForwardBackward(request_pb=f"{model}:{seq}".encode(), forward_only=False)
+    return Job(job_id=f"{model}-{seq}", tenant_id=tenant or model, base_model="b", model_id=model, seq_id=seq,
+               payload=req, result_type="ForwardBackwardOutput")
+
+
+def barrier(model: str, seq: int) -> Job:
+    adam = AdamSpec(learning_rate=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, grad_clip_norm=0.0)
+    return Job(job_id=f"{model}-{seq}", tenant_id=model, base_model="b", model_id=model, seq_id=seq,
+               payload=OptimStep(adam=adam), result_type="OptimStepResponse")
+
+
+def steps_of(s: Scheduler, now: float = 0, limit: int = 100) -> list[list[str]]:
+    out = []
+    while (step := s.next_step(now)) is not None and len(out) < limit:
+        assert step.merged == all(isinstance(j.payload, ForwardBackward) for j in step.jobs)
+        assert len({j.model_id for j in step.jobs}) == len(step.jobs)  # one job per model per step
+        out.append([j.job_id for j in step.jobs])
+    return out
+
+
+def sized(sizes: dict[str, JobSize], budget: int) -> Scheduler:
+    return Scheduler(gap_timeout=100, token_budget=budget, measure=lambda j: sizes.get(j.model_id, JobSize()))
+
+
+@pytest.mark.parametrize(
+    "arrivals, expected",
+    [
+        # forward_backward heads of different models merge; an optim_step holds back only its own model
+        ([fbjob("a", 1), barrier("a", 2), fbjob("a", 3), fbjob("b", 1), fbjob("b", 2)],
+         [["a-1", "b-1"], ["a-2"], ["a-3", "b-2"]]),
+        # one model's chunks (consecutive seq_ids) never share a step
+        ([fbjob("a", 1), fbjob("a", 2), fbjob("a", 3)], [["a-1"], ["a-2"], ["a-3"]]),
+        # an early arrival waits for its predecessor; other models go on
+        ([fbjob("a", 2), fbjob("b", 1), fbjob("c", 1)], [["b-1", "c-1"]]),
+        ([barrier("a", 1), barrier("b", 1), fbjob("c", 1)], [["a-1"], ["b-1"], ["c-1"]]),
+    ],
+)
+def test_merged_steps(arrivals: list[Job], expected: list[list[str]]) -> None:
+    s = Scheduler(gap_timeout=100)
+    for model in "abc":
+        s.resume(model, 1)
+    for j in arrivals:
+        assert s.add(j, now=0) is None
+    assert steps_of(s) == expected
+
+
+@pytest.mark.parametrize(
+    "sizes, budget, expected",
+    [
+        # padded cost = rows x longest row: a+b = 3 x 30 fits 100; c would make it 4 x 40
+        ({"a": JobSize(2, 30, 50), "b": JobSize(1, 30, 30), "c": JobSize(1, 40, 40)}, 100, [["a-1", "b-1"], ["c-1"]]),
+        # a job bigger than the whole budget still runs, alone, and a smaller one fills the next step
+        ({"a": JobSize(10, 100, 1000), "b": JobSize(1, 5, 5), "c": JobSize(1, 5, 5)}, 100,
+         [["a-1"], ["b-1", "c-1"]]),
+        # a candidate that does not fit is passed over, a later smaller one still joins
+        ({"a": JobSize(1, 60, 60), "b": JobSize(1, 80, 80), "c": JobSize(1, 10, 10)}, 130, [["a-1", "c-1"], ["b-1"]]),
+    ],
+)
+def test_token_budget(sizes: dict[str, JobSize], budget: int, expected: list[list[str]]) -> None:
+    s = sized(sizes, budget)
+    for model in "abc":
+        s.resume(model, 1)
+        assert s.add(fbjob(model, 1), now=0) is None
+    assert steps_of(s) == expected
+
+
+def test_huge_tenant_cannot_starve_a_small_one() -> None:
+    sizes = {f"big{i}": JobSize(1, 1000, 1000) for i in range(4)} | {"small": JobSize(1, 10, 10)}
+    s = sized(sizes, 1000)
+    for i in range(4):  # one tenant, four models, ten 1000-token chunks each
+        s.resume(f"big{i}", 1)
+        for seq in range(1, 11):
+            s.add(fbjob(f"big{i}", seq, tenant="big"), now=0)
+    s.resume("small", 1)
+    for seq in range(1, 6):
+        s.add(fbjob("small", seq, tenant="small"), now=0)
+    steps = steps_of(s, limit=10)
+    small_steps = [i for i, st in enumerate(steps) if any(j.startswith("small") for j in st)]
+    # 40 big chunks arrived first, yet after one of them the small tenant (10 tokens a job, far below its
+    # token share) runs in every step until its queue is empty
+    assert small_steps == [1, 2, 3, 4, 5]
+    assert all(j.startswith("big") for st in steps[6:] for j in st)
+
+
+def test_returning_tenant_gets_no_banked_credit() -> None:
+    s = sized({"x": JobSize(1, 100, 100), "y": JobSize(1, 100, 100)}, 100)
+    s.resume("x", 1)
+    s.resume("y", 1)
+    for seq in range(1, 6):
+        s.add(fbjob("x", seq), now=0)
+    assert steps_of(s, limit=5) == [[f"x-{i}"] for i in range(1, 6)]  # x alone: served back to back
+    for seq in range(6, 12):
+        s.add(fbjob("x", seq), now=0)
+    for seq in range(1, 7):
+        s.add(fbjob("y", seq), now=0)
+    tenants = [st[0].split("-")[0] for st in steps_of(s, limit=6)]
+    assert tenants.count("x") == 3 and tenants.count("y") == 3, tenants  # y does not run six in a row
+
+
+def test_a_stream_of_barriers_delays_merged_work_by_a_bounded_number_of_steps() -> None:
+    s = Scheduler(gap_timeout=100)
+    for i in range(20):
+        s.resume(f"m{i}", 1)
+        s.add(barrier(f"m{i}", 1), now=0)
+    s.resume("f", 1)
+    s.add(fbjob("f", 1), now=1)
+    steps = steps_of(s)
+    assert steps.index(["f-1"]) == Scheduler.max_barriers_in_a_row

@@ -1,10 +1,16 @@
-"""Per-model LoRA adapters on the shared base: weights, gradient buffers, optimizer state, and PEFT-format I/O."""
+"""Per-model LoRA adapters on the shared base: weights, gradient buffers, optimizer state, and PEFT-format I/O.
+
+Adapters page between the device, host memory and disk under the pool's PagingConfig (workers/engine/paging.py);
+`get` and `pinned` bring an adapter back before it is used.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -13,6 +19,7 @@ from api_schemas.jobs import LoraSpec
 from workers.engine.base_model import BaseModel
 from workers.engine.multi_lora import target_module_names
 from workers.engine.optim import AdamState
+from workers.engine.paging import DEVICE, Pager, PagingConfig
 
 LORA_ALPHA = 32.0
 _STATE_FILE = "twinkle_state.json"
@@ -32,6 +39,11 @@ class Adapter:
     params: list[torch.Tensor]  # A then B per module, in `modules` order
     grads: list[torch.Tensor | None]
     optim: AdamState = field(default_factory=AdamState)
+    tenant_id: str = ""
+    tier: str = DEVICE  # device | host | disk (paging.py)
+    last_used: int = 0
+    pins: int = 0  # > 0 while a step uses it: it never pages out then
+    spill_path: Path | None = None
 
     def peft_state_dict(self) -> dict[str, torch.Tensor]:
         out = {}
@@ -42,17 +54,36 @@ class Adapter:
 
 
 class AdapterPool:
-    def __init__(self, base: BaseModel) -> None:
+    def __init__(self, base: BaseModel, paging: PagingConfig | None = None) -> None:
         self.base = base
         self.adapters: dict[str, Adapter] = {}
+        self.pager = Pager(paging or PagingConfig(), base.layers, base.device)
 
     def get(self, model_id: str) -> Adapter:
-        adapter = self.adapters.get(model_id)
-        if adapter is None:
-            raise AdapterError(f"model {model_id} is not loaded on this worker")
-        return adapter
+        """The model's adapter, on the device and attached to the layers (paged in if it was out)."""
+        with self.pinned([model_id]) as adapters:
+            return adapters[0]
 
-    def create(self, model_id: str, spec: LoraSpec, alpha: float = LORA_ALPHA) -> Adapter:
+    @contextlib.contextmanager
+    def pinned(self, model_ids: list[str]) -> Iterator[list[Adapter]]:
+        """The adapters, paged in and kept on the device (never paged out) until the block ends."""
+        missing = [m for m in model_ids if m not in self.adapters]
+        if missing:
+            raise AdapterError(f"model {missing[0]} is not loaded on this worker")
+        adapters = [self.adapters[m] for m in model_ids]
+        for a in adapters:
+            a.pins += 1
+        try:
+            for a in adapters:
+                self.pager.bring_in(a)
+            self.settle()
+            yield adapters
+        finally:
+            for a in adapters:
+                a.pins -= 1
+            self.settle()
+
+    def create(self, model_id: str, spec: LoraSpec, alpha: float = LORA_ALPHA, tenant_id: str = "") -> Adapter:
         self.drop(model_id)
         modules = self.create_modules(spec)
         if not modules:
@@ -63,14 +94,22 @@ class AdapterPool:
             layer = self.base.layers[name]
             layer.add_adapter(model_id, spec.rank, alpha, gen)
             params += [layer.lora_A[model_id], layer.lora_B[model_id]]
-        adapter = Adapter(model_id, spec, alpha, modules, params, [None] * len(params))
+        adapter = Adapter(model_id, spec, alpha, modules, params, [None] * len(params), tenant_id=tenant_id)
         self.adapters[model_id] = adapter
+        self.pager.touch(adapter)
+        adapter.pins += 1  # the new adapter stays; older idle ones make room
+        try:
+            self.settle()
+        finally:
+            adapter.pins -= 1
         return adapter
 
     def drop(self, model_id: str) -> None:
-        if self.adapters.pop(model_id, None) is not None:
+        adapter = self.adapters.pop(model_id, None)
+        if adapter is not None:
             for layer in self.base.layers.values():
                 layer.remove_adapter(model_id)
+            self.pager.forget(adapter)
 
     def accumulate(self, adapter: Adapter, grads: tuple[torch.Tensor, ...]) -> None:
         for i, g in enumerate(grads):
@@ -100,7 +139,7 @@ class AdapterPool:
         if with_optimizer:
             save_file(adapter.optim.state_dict(), str(folder / _OPTIM_FILE))
 
-    def load(self, model_id: str, folder: Path, with_optimizer: bool, create: bool) -> Adapter:
+    def load(self, model_id: str, folder: Path, with_optimizer: bool, create: bool, tenant_id: str = "") -> Adapter:
         meta_path = folder / _STATE_FILE
         if not meta_path.exists():
             raise AdapterError("checkpoint has no twinkle metadata")
@@ -109,7 +148,7 @@ class AdapterPool:
             raise AdapterError(f"checkpoint was trained on {meta.get('base_model')}, not {self.base.name}")
         spec = LoraSpec(**meta["lora"])
         if create or model_id not in self.adapters:
-            adapter = self.create(model_id, spec, float(meta["alpha"]))
+            adapter = self.create(model_id, spec, float(meta["alpha"]), tenant_id=tenant_id)
         else:
             adapter = self.get(model_id)
             if adapter.spec.rank != spec.rank or adapter.modules != self.create_modules(spec):
@@ -129,7 +168,12 @@ class AdapterPool:
             if not optim_path.exists():
                 raise AdapterError("checkpoint has no optimizer state (load a weights/ training checkpoint)")
             adapter.optim.load_state_dict(load_file(str(optim_path)))
+        self.settle()
         return adapter
+
+    def settle(self) -> None:
+        """Page out what the budgets no longer allow (after an adapter grew, e.g. by loaded optimizer state)."""
+        self.pager.enforce(self.adapters.values())
 
     def create_modules(self, spec: LoraSpec) -> list[str]:
         suffixes = set(target_module_names(spec.train_attn, spec.train_mlp, spec.train_unembed))

@@ -70,16 +70,44 @@ class LoraLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         routes = current_routes()
-        if not routes:
+        active = [r for r in routes if r.adapter_id is not None and r.adapter_id in self.lora_A]
+        if not active:
             return y
-        pieces = []
-        for r in routes:
-            seg = y[r.start : r.stop]
-            if r.adapter_id is not None and r.adapter_id in self.lora_A:
-                a, b = self.lora_A[r.adapter_id], self.lora_B[r.adapter_id]
-                seg = seg + (x[r.start : r.stop] @ a.t() @ b.t()) * self.scale[r.adapter_id]
-            pieces.append(seg)
-        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+        if len(routes) == 1 and routes[0].start == 0 and routes[0].stop >= x.shape[0]:
+            aid = routes[0].adapter_id
+            return y + (x @ self.lora_A[aid].t() @ self.lora_B[aid].t()) * self.scale[aid]
+        return y + self._routed_delta(x, routes)
+
+    def _routed_delta(self, x: torch.Tensor, routes: tuple[Route, ...]) -> torch.Tensor:
+        """The LoRA term of every row through its route's adapter, in two batched matmuls whatever the number of
+        routes: each route's A and B are zero-padded to the largest rank (padding adds exact zeros) and gathered
+        per row. Rows of no route, of no adapter or of an adapter that does not target this layer get zero."""
+        ids = [r.adapter_id if r.adapter_id in self.lora_A else None for r in routes]
+        used = sorted({a for a in ids if a is not None}, key=ids.index)
+        rank = max(self.lora_A[a].shape[0] for a in used)
+        w = self.base.weight
+        zeros_a = torch.zeros(rank, self.base.in_features, dtype=w.dtype, device=w.device)
+        zeros_b = torch.zeros(self.base.out_features, rank, dtype=w.dtype, device=w.device)
+        stack_a = torch.stack([zeros_a] + [_pad_rows(self.lora_A[a], rank) for a in used])
+        stack_b = torch.stack([zeros_b] + [_pad_cols(self.lora_B[a] * self.scale[a], rank) for a in used])
+        slot = {a: i + 1 for i, a in enumerate(used)}
+        per_row = [0] * x.shape[0]
+        for r, a in zip(routes, ids):
+            if a is not None:
+                per_row[r.start : r.stop] = [slot[a]] * (min(r.stop, x.shape[0]) - r.start)
+        index = torch.tensor(per_row, device=x.device)
+        rows = x if x.dim() == 3 else x.unsqueeze(1)
+        h = torch.bmm(rows, stack_a.index_select(0, index).transpose(1, 2))
+        delta = torch.bmm(h, stack_b.index_select(0, index).transpose(1, 2))
+        return delta if x.dim() == 3 else delta.squeeze(1)
+
+
+def _pad_rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    return t if t.shape[0] == n else torch.nn.functional.pad(t, (0, 0, 0, n - t.shape[0]))
+
+
+def _pad_cols(t: torch.Tensor, n: int) -> torch.Tensor:
+    return t if t.shape[1] == n else torch.nn.functional.pad(t, (0, n - t.shape[1]))
 
 
 def target_module_names(train_attn: bool, train_mlp: bool, train_unembed: bool) -> list[str]:

@@ -1,5 +1,7 @@
 """Executes training jobs on the base model + adapter pool and turns each into a JobResult.
 
+`execute_step` runs one scheduler step: a barrier job alone, or the forward/forward_backward jobs of several
+models in one merged pass (workers/engine/merged.py). `execute` runs one job (the same code: a step of one).
 A job that fails for a user reason (bad shapes, non-finite loss, missing checkpoint) yields a failed result with
 category `user`; anything else is `server`. Either way the worker goes on with the next job.
 """
@@ -8,141 +10,146 @@ from __future__ import annotations
 
 import json
 import logging
+from typing import Callable
 
-import numpy as np
 import torch
 
 from api_schemas.jobs import (
     CreateModel,
-    ErrorCategory,
     ForwardBackward,
     Job,
-    JobError,
     JobResult,
     LoadWeights,
     OptimStep,
     SaveWeights,
     Skip,
 )
-from api_schemas.tinker.losses import LossSpecError
-from api_schemas.tinker.proto import decode_forward_backward, encode_forward_backward_output, parse_forward_backward
 from workers.checkpoints.store import CheckpointStore
-from workers.engine.adapter_pool import AdapterError, AdapterPool
+from workers.engine.adapter_pool import AdapterPool
 from workers.engine.base_model import BaseModel
-from workers.engine.losses import compute_loss
-from workers.engine.multi_lora import Route, routed
-from workers.engine.optim import AdamHyper, InvalidAdamParamsError, NonFiniteGradError, adam_step
+from workers.engine.errors import UserJobError, failure
+from workers.engine.merged import MergedPass, job_size
+from workers.engine.optim import AdamHyper, adam_step
+from workers.engine.paging import PagingConfig
+from workers.scheduler import JobSize
+
+__all__ = ["Trainer", "UserJobError"]
 
 log = logging.getLogger(__name__)
 
 
-class UserJobError(ValueError):
-    """The job cannot run because of what the user sent; reported with category `user`."""
-
-
 class Trainer:
-    def __init__(self, base: BaseModel, store: CheckpointStore) -> None:
+    def __init__(self, base: BaseModel, store: CheckpointStore, paging: PagingConfig | None = None) -> None:
         self.base = base
-        self.pool = AdapterPool(base)
+        self.pool = AdapterPool(base, paging)
         self.store = store
+        self._merged = MergedPass(base, self.pool)
+
+    @staticmethod
+    def measure(job: Job) -> JobSize:
+        """The scheduler's view of a job's size (rows, longest row, tokens)."""
+        return job_size(job)
 
     def execute(self, job: Job) -> JobResult:
+        results: list[JobResult] = []
+        self.execute_step([job], results.append)
+        return results[0]
+
+    def execute_step(self, jobs: list[Job], on_result: Callable[[JobResult], None]) -> None:
+        """Run one step; every job's result goes to `on_result` (once) as soon as it is known."""
+        batch: list[Job] = []
+        for job in jobs:  # in order: a barrier job never passes a pass of its own model's earlier jobs
+            if isinstance(job.payload, ForwardBackward):
+                batch.append(job)
+                continue
+            self._run_batch(batch, on_result)
+            batch = []
+            on_result(self._run_one(job))
+        self._run_batch(batch, on_result)
+
+    def _run_batch(self, jobs: list[Job], on_result: Callable[[JobResult], None]) -> None:
+        # One job per model per pass: a model met twice waits for the next pass (its grads accumulate in order).
+        rounds: dict[int, list[Job]] = {}
+        seen: dict[str, int] = {}
+        for job in jobs:
+            n = seen[job.model_id] = seen.get(job.model_id, -1) + 1
+            rounds.setdefault(n, []).append(job)
+        for n in sorted(rounds):
+            self._run_merged(rounds[n], on_result)
+
+    def _run_merged(self, jobs: list[Job], on_result: Callable[[JobResult], None]) -> None:
+        done: set[str] = set()
+
+        def report(result: JobResult) -> None:
+            done.add(result.job_id)
+            on_result(result)
+
+        try:
+            self._merged.run(jobs, report)
+        except Exception as e:
+            left = [j for j in jobs if j.job_id not in done]
+            if len(jobs) == 1 or not left:
+                for job in left:
+                    on_result(failure(job, e))
+                return
+            # A fault of the merged pass itself (e.g. out of memory): nothing was accumulated for the jobs
+            # still open, so each runs again on its own and fails (or succeeds) alone.
+            log.warning("merged pass of %d jobs failed (%s); running its jobs one by one", len(jobs), e)
+            for job in left:
+                self._run_merged([job], on_result)
+
+    def _run_one(self, job: Job) -> JobResult:
         try:
             media_type, body = self._run(job)
             return JobResult(job_id=job.job_id, media_type=media_type, body=body)
-        except (UserJobError, AdapterError, LossSpecError, NonFiniteGradError, InvalidAdamParamsError) as e:
-            log.info("job %s (%s) failed: %s", job.job_id, job.payload.kind, e)
-            return JobResult(job_id=job.job_id, error=JobError(category=ErrorCategory.USER, message=str(e)))
-        except Exception as e:  # a server fault must fail only this job, never the worker
-            log.exception("job %s (%s) crashed", job.job_id, job.payload.kind)
-            msg = f"internal error while running {job.payload.kind}: {type(e).__name__}"
-            return JobResult(job_id=job.job_id, error=JobError(category=ErrorCategory.SERVER, message=msg))
+        except Exception as e:  # a fault must fail only this job, never the worker
+            return failure(job, e)
 
     def _run(self, job: Job) -> tuple[str, bytes]:
         p = job.payload
         if isinstance(p, CreateModel):
-            self.pool.create(job.model_id, p.lora)
+            self.pool.create(job.model_id, p.lora, tenant_id=job.tenant_id)
             return _ok({"model_id": job.model_id, "type": "create_model"})
-        if isinstance(p, ForwardBackward):
-            return "application/x-protobuf", self.forward_backward(job.model_id, p)
         if isinstance(p, OptimStep):
             return _ok({"metrics": self.optim_step(job.model_id, p)})
         if isinstance(p, SaveWeights):
-            adapter = self.pool.get(job.model_id)
-            with self.store.writing(p.storage_key) as folder:
-                self.pool.save(adapter, folder, p.with_optimizer)
-                written = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
-                if p.max_bytes is not None and written > p.max_bytes:  # raising here discards the folder
-                    raise UserJobError(f"storage quota exceeded: the checkpoint needs {written} bytes, "
-                                       f"{max(p.max_bytes, 0)} are left; delete checkpoints to free space")
-            key = "save_weights" if p.with_optimizer else "save_weights_for_sampler"
-            if "/external_weights/" in p.tinker_path:
-                key = "save_weights_external"
-            size = self.store.size_bytes(p.storage_key)
-            if p.sampling_session_id is not None:  # ephemeral: the client samples from this session, no path
-                return _ok({"sampling_session_id": p.sampling_session_id, "type": key, "size_bytes": size})
-            return _ok({"path": p.tinker_path, "type": key, "size_bytes": size})
+            return self._save(job.model_id, p)
         if isinstance(p, LoadWeights):
             folder = self.store.existing(p.storage_key)
             if folder is None:
                 raise UserJobError("checkpoint files not found (deleted or expired)")
-            self.pool.load(job.model_id, folder, p.with_optimizer, p.create)
+            self.pool.load(job.model_id, folder, p.with_optimizer, p.create, tenant_id=job.tenant_id)
             return _ok({"model_id": job.model_id, "type": "load_weights"})
         if isinstance(p, Skip):
             return _ok({"skipped": p.reason})
         raise UserJobError(f"unsupported job kind {p.kind}")
 
-    def forward_backward(self, model_id: str, p: ForwardBackward) -> bytes:
+    def _save(self, model_id: str, p: SaveWeights) -> tuple[str, bytes]:
         adapter = self.pool.get(model_id)
-        req = decode_forward_backward(parse_forward_backward(p.request_pb))
-        if not req.data:
-            raise UserJobError("forward_backward needs at least one datum")
-        device = self.base.device
-        lengths = [len(d.tokens) for d in req.data]
-        width = max(lengths)
-        ids = torch.zeros(len(lengths), width, dtype=torch.long)
-        mask = torch.zeros(len(lengths), width, dtype=torch.long)
-        for i, d in enumerate(req.data):
-            ids[i, : lengths[i]] = torch.from_numpy(d.tokens)
-            mask[i, : lengths[i]] = 1
-        ids, mask = ids.to(device), mask.to(device)
-        with torch.set_grad_enabled(not p.forward_only), routed(self.base.layers, [Route(model_id, 0, len(lengths))]):
-            logp = self.base.logprob_logits(ids, mask)
-        lps, inputs = [], []
-        for i, d in enumerate(req.data):
-            tensors = {k: torch.from_numpy(np.ascontiguousarray(v)).to(device) for k, v in d.inputs.items()}
-            if "target_tokens" not in tensors:
-                raise UserJobError(f"datum {i}: loss_fn_inputs has no target_tokens")
-            targets = tensors["target_tokens"]
-            n = lengths[i]
-            if targets.shape[0] != n:
-                raise UserJobError(f"datum {i}: target_tokens has {targets.shape[0]} rows, model_input has {n} tokens")
-            flat = targets.reshape(n, -1)
-            lp = logp[i, :n].gather(-1, flat).reshape(targets.shape)
-            lps.append(lp)
-            inputs.append({k: (v.to(logp.dtype) if v.is_floating_point() else v) for k, v in tensors.items()})
-        out = compute_loss(req.loss_fn, lps, inputs, req.loss_fn_config)
-        if not torch.isfinite(out.loss):
-            raise UserJobError("the loss is not finite; gradients were not accumulated")
-        if not p.forward_only:
-            grads = torch.autograd.grad(out.loss, adapter.params, allow_unused=True)
-            grads = tuple(torch.zeros_like(w) if g is None else g for g, w in zip(grads, adapter.params))
-            if not all(torch.isfinite(g).all() for g in grads):
-                raise UserJobError("a gradient is not finite; gradients were not accumulated")
-            self.pool.accumulate(adapter, grads)
-        outputs = [{k: v.detach().cpu().numpy() for k, v in o.items()} for o in out.outputs]
-        return encode_forward_backward_output(outputs, out.metrics)
+        with self.store.writing(p.storage_key) as folder:
+            self.pool.save(adapter, folder, p.with_optimizer)
+            written = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+            if p.max_bytes is not None and written > p.max_bytes:  # raising here discards the folder
+                raise UserJobError(f"storage quota exceeded: the checkpoint needs {written} bytes, "
+                                   f"{max(p.max_bytes, 0)} are left; delete checkpoints to free space")
+        key = "save_weights" if p.with_optimizer else "save_weights_for_sampler"
+        if "/external_weights/" in p.tinker_path:
+            key = "save_weights_external"
+        size = self.store.size_bytes(p.storage_key)
+        if p.sampling_session_id is not None:  # ephemeral: the client samples from this session, no path
+            return _ok({"sampling_session_id": p.sampling_session_id, "type": key, "size_bytes": size})
+        return _ok({"path": p.tinker_path, "type": key, "size_bytes": size})
 
     def optim_step(self, model_id: str, p: OptimStep) -> dict[str, float]:
-        adapter = self.pool.get(model_id)
-        for w, g in zip(adapter.params, adapter.grads):
-            w.grad = torch.zeros_like(w) if g is None else g
-        try:
-            metrics = adam_step(adapter.params, adapter.optim, AdamHyper(**p.adam.model_dump()))
-        finally:
-            for w in adapter.params:
-                w.grad = None
-        adapter.grads = [None] * len(adapter.params)
+        with self.pool.pinned([model_id]) as (adapter,):  # the first step creates the moments: paging sees them
+            for w, g in zip(adapter.params, adapter.grads):
+                w.grad = torch.zeros_like(w) if g is None else g
+            try:
+                metrics = adam_step(adapter.params, adapter.optim, AdamHyper(**p.adam.model_dump()))
+            finally:
+                for w in adapter.params:
+                    w.grad = None
+            adapter.grads = [None] * len(adapter.params)
         return metrics
 
 

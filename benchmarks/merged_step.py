@@ -1,0 +1,130 @@
+"""Merged vs sequential training steps: N tenants' forward_backward in one merged pass vs one pass per tenant.
+
+One training step per tenant = forward_backward (cross_entropy) + optim_step (`speedup`; `fb_only_speedup` times
+the forward_backward passes alone). Sequential runs each tenant's
+forward_backward alone (how most open servers train); merged runs all of them as one scheduler step
+(Trainer.execute_step). Both run on the same Trainer, interleaved (A B A B ...), and the median of the repeats
+is reported, so load from other processes hits both sides alike. Prints one JSON line.
+
+Usage: python benchmarks/merged_step.py [--model tiny|smollm2] [--shapes 16x64,16x16,4x512] [--repeats 5]
+A shape is TENANTSxTOKENS (one row per tenant) or TENANTSxROWSxTOKENS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from api_schemas.jobs import Job  # noqa: E402
+from tests.unit.engine_jobs import create, fb, optim  # noqa: E402
+from workers.checkpoints.store import CheckpointStore  # noqa: E402
+from workers.engine.base_model import BaseModel  # noqa: E402
+from workers.engine.trainer import Trainer  # noqa: E402
+
+
+def model_folder(name: str, tmp: Path) -> Path:
+    if name == "tiny":
+        from tests.support.tiny_model import build_tiny_model
+
+        return build_tiny_model(tmp / "tiny")
+    from workers.engine.model_assets import DEFAULT_BASE_MODEL, resolve_base_model
+
+    cache = Path(os.environ.get("TWINKLE_BENCH_DATA", Path.home() / ".cache" / "twinkle-bench"))
+    return resolve_base_model(DEFAULT_BASE_MODEL, cache)
+
+
+def parse_shape(shape: str) -> tuple[int, int, int]:
+    parts = [int(x) for x in shape.split("x")]
+    return (parts[0], 1, parts[1]) if len(parts) == 2 else (parts[0], parts[1], parts[2])
+
+
+class Bench:
+    def __init__(self, trainer: Trainer, tenants: int, rows: int, tokens: int, vocab: int, rank: int) -> None:
+        self.trainer, self.tenants = trainer, tenants
+        self.models = [f"bench-{tenants}x{rows}x{tokens}-{i}" for i in range(tenants)]
+        rng = np.random.default_rng(0)
+        self.rows = {m: rng.integers(3, vocab, size=(rows, tokens + 1)).tolist() for m in self.models}
+        for i, m in enumerate(self.models):
+            assert trainer.execute(create(m, rank=rank, seed=i)).ok
+        self.seq = 1
+
+    def _jobs(self) -> tuple[list[Job], list[Job]]:
+        fbs = [fb(m, self.seq, self.rows[m]) for m in self.models]
+        opts = [optim(m, self.seq + 1) for m in self.models]
+        self.seq += 2
+        return fbs, opts
+
+    def sequential(self) -> tuple[float, float]:
+        """(seconds of the forward_backward passes, seconds of the whole training step)"""
+        fbs, opts = self._jobs()
+        t = time.perf_counter()
+        fb_s = 0.0
+        for f, o in zip(fbs, opts):
+            t0 = time.perf_counter()
+            assert self.trainer.execute(f).ok
+            fb_s += time.perf_counter() - t0
+            assert self.trainer.execute(o).ok
+        return fb_s, time.perf_counter() - t
+
+    def merged(self) -> tuple[float, float]:
+        fbs, opts = self._jobs()
+        t = time.perf_counter()
+        results: list = []
+        self.trainer.execute_step(fbs, results.append)
+        assert all(r.ok for r in results) and len(results) == len(fbs)
+        fb_s = time.perf_counter() - t
+        for o in opts:
+            assert self.trainer.execute(o).ok
+        return fb_s, time.perf_counter() - t
+
+
+def run_shape(trainer: Trainer, shape: str, vocab: int, rank: int, repeats: int) -> dict:
+    tenants, rows, tokens = parse_shape(shape)
+    bench = Bench(trainer, tenants, rows, tokens, vocab, rank)
+    bench.sequential(), bench.merged()  # warm-up
+    seq, mer = [], []
+    for _ in range(repeats):
+        seq.append(bench.sequential())
+        mer.append(bench.merged())
+    s, m = statistics.median(x[1] for x in seq), statistics.median(x[1] for x in mer)
+    s_fb, m_fb = statistics.median(x[0] for x in seq), statistics.median(x[0] for x in mer)
+    total = tenants * rows * tokens
+    return {"shape": shape, "tenants": tenants, "rows_per_tenant": rows, "tokens_per_row": tokens,
+            "sequential_s": round(s, 4), "merged_s": round(m, 4), "speedup": round(s / m, 3),
+            "sequential_tokens_per_s": round(total / s, 1), "merged_tokens_per_s": round(total / m, 1),
+            "fb_only_speedup": round(s_fb / m_fb, 3)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
+    ap.add_argument("--shapes", default="16x64,16x16,4x512")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--rank", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = model_folder(args.model, Path(tmp))
+        trainer = Trainer(BaseModel(args.model, folder), CheckpointStore(Path(tmp) / "ckpt"))
+        results = [run_shape(trainer, s, trainer.base.vocab_size, args.rank, args.repeats) for s in args.shapes.split(",")]
+    print(json.dumps({"benchmark": "merged_step", "model": args.model, "rank": args.rank, "repeats": args.repeats,
+                      "torch_threads": torch.get_num_threads(), "results": results}))
+
+
+if __name__ == "__main__":
+    main()

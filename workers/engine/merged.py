@@ -1,0 +1,179 @@
+"""One merged pass: the forward / forward_backward jobs of several models in ONE padded forward (and backward).
+
+Rows of every job are stacked (each job's rows contiguous, right-padded to the longest row of the pass) and
+routed through their own model's adapter (multi_lora routes), so adapters of different ranks and target modules
+share one pass over the base model. Each job's loss is computed from its own rows only, exactly as if it ran
+alone: rows never interact (attention, norms and the loss are per row, the base weights are frozen), and right
+padding never changes a real position's output under the causal mask.
+
+Backward is one autograd.grad over the sum of the training jobs' losses with respect to all their adapters'
+parameters: the gradient of that sum with respect to one adapter is its own job's gradient. A job whose loss is
+not finite is left out of the sum before backward, and a job whose gradient is not finite is not accumulated:
+either fails alone. Each job's result is handed to `on_result` as soon as it is known (a forward-only job right
+after the forward, a training job after the backward), so futures complete without waiting for the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from api_schemas.jobs import ForwardBackward, Job, JobResult
+from api_schemas.tinker.proto import (
+    DecodedForwardBackward,
+    decode_forward_backward,
+    encode_forward_backward_output,
+    parse_forward_backward,
+)
+from workers.engine.adapter_pool import Adapter, AdapterError, AdapterPool
+from workers.engine.base_model import BaseModel
+from workers.engine.errors import UserJobError, failure
+from workers.engine.losses import LossOutput, compute_loss
+from workers.engine.multi_lora import Route, routed
+from workers.scheduler import JobSize
+
+OnResult = Callable[[JobResult], None]
+
+
+@dataclass
+class _Item:
+    job: Job
+    req: DecodedForwardBackward
+    adapter: Adapter
+    start: int = 0  # first row of this job in the merged batch
+
+    @property
+    def forward_only(self) -> bool:
+        p = self.job.payload
+        assert isinstance(p, ForwardBackward)
+        return p.forward_only
+
+
+def decode(job: Job) -> DecodedForwardBackward:
+    p = job.payload
+    if not isinstance(p, ForwardBackward):
+        raise UserJobError(f"{p.kind} is not a forward/forward_backward job")
+    req = decode_forward_backward(parse_forward_backward(p.request_pb))
+    if not req.data:
+        raise UserJobError("forward_backward needs at least one datum")
+    return req
+
+
+def job_size(job: Job) -> JobSize:
+    """Rows, longest row and tokens of a forward/forward_backward job, for the scheduler's budget and fairness."""
+    try:
+        msg = parse_forward_backward(job.payload.request_pb) if isinstance(job.payload, ForwardBackward) else None
+    except ValueError:
+        return JobSize()
+    if msg is None or not msg.data:
+        return JobSize()
+    lengths = [sum(len(c.encoded_text.tokens) // 4 for c in d.model_input) for d in msg.data]
+    return JobSize(rows=len(lengths), max_len=max(max(lengths), 1), tokens=max(sum(lengths), 1))
+
+
+class MergedPass:
+    """Runs one list of forward/forward_backward jobs (distinct models) as one pass; see the module docstring."""
+
+    def __init__(self, base: BaseModel, pool: AdapterPool) -> None:
+        self.base = base
+        self.pool = pool
+
+    def run(self, jobs: list[Job], on_result: OnResult) -> None:
+        checked: list[tuple[Job, DecodedForwardBackward]] = []
+        for job in jobs:
+            try:
+                req = decode(job)
+                _check_targets(req)
+                if job.model_id not in self.pool.adapters:
+                    raise AdapterError(f"model {job.model_id} is not loaded on this worker")
+                checked.append((job, req))
+            except Exception as e:  # a bad job fails alone, before it can affect the pass
+                on_result(failure(job, e))
+        if not checked:
+            return
+        with self.pool.pinned([job.model_id for job, _ in checked]) as adapters:
+            items = [_Item(job, req, adapter) for (job, req), adapter in zip(checked, adapters)]
+            logp = self._forward(items)
+            trained: list[tuple[_Item, LossOutput]] = []
+            for it in items:
+                try:
+                    out = self._loss(it, logp)
+                except Exception as e:
+                    on_result(failure(it.job, e))
+                    continue
+                if it.forward_only:
+                    on_result(_result(it.job, out))
+                else:
+                    trained.append((it, out))
+            del logp
+            if trained:
+                self._backward(trained, on_result)
+
+    def _forward(self, items: list[_Item]) -> torch.Tensor:
+        rows = [d.tokens for it in items for d in it.req.data]
+        width = max(len(r) for r in rows)
+        ids = np.zeros((len(rows), width), dtype=np.int64)
+        mask = np.zeros((len(rows), width), dtype=np.int64)
+        for i, r in enumerate(rows):
+            ids[i, : len(r)] = r
+            mask[i, : len(r)] = 1
+        routes, start = [], 0
+        for it in items:
+            it.start = start
+            stop = start + len(it.req.data)
+            routes.append(Route(it.job.model_id, start, stop))
+            start = stop
+        device = self.base.device
+        grad = any(not it.forward_only for it in items)
+        with torch.set_grad_enabled(grad), routed(self.base.layers, routes):
+            return self.base.logprob_logits(torch.from_numpy(ids).to(device), torch.from_numpy(mask).to(device))
+
+    def _loss(self, it: _Item, logp: torch.Tensor) -> LossOutput:
+        device = logp.device
+        lps, inputs = [], []
+        for i, d in enumerate(it.req.data):
+            tensors = {k: torch.from_numpy(np.ascontiguousarray(v)).to(device) for k, v in d.inputs.items()}
+            targets = tensors["target_tokens"]
+            n = len(d.tokens)
+            flat = targets.reshape(n, -1)
+            lps.append(logp[it.start + i, :n].gather(-1, flat).reshape(targets.shape))
+            inputs.append({k: (v.to(logp.dtype) if v.is_floating_point() else v) for k, v in tensors.items()})
+        out = compute_loss(it.req.loss_fn, lps, inputs, it.req.loss_fn_config)
+        if not torch.isfinite(out.loss):
+            raise UserJobError("the loss is not finite; gradients were not accumulated")
+        return out
+
+    def _backward(self, trained: list[tuple[_Item, LossOutput]], on_result: OnResult) -> None:
+        params = [p for it, _ in trained for p in it.adapter.params]
+        total = torch.stack([out.loss for _, out in trained]).sum()
+        grads = torch.autograd.grad(total, params, allow_unused=True)
+        offset = 0
+        for it, out in trained:
+            n = len(it.adapter.params)
+            mine = [torch.zeros_like(w) if g is None else g for g, w in zip(grads[offset : offset + n], it.adapter.params)]
+            offset += n
+            if not bool(torch.stack([torch.isfinite(g).all() for g in mine]).all()):
+                on_result(failure(it.job, UserJobError("a gradient is not finite; gradients were not accumulated")))
+                continue
+            self.pool.accumulate(it.adapter, tuple(mine))
+            on_result(_result(it.job, out))
+
+
+def _check_targets(req: DecodedForwardBackward) -> None:
+    for i, d in enumerate(req.data):
+        targets = d.inputs.get("target_tokens")
+        if targets is None:
+            raise UserJobError(f"datum {i}: loss_fn_inputs has no target_tokens")
+        if targets.shape[0] != len(d.tokens):
+            raise UserJobError(f"datum {i}: target_tokens has {targets.shape[0]} rows, model_input has {len(d.tokens)} tokens")
+        if len(d.tokens) == 0:
+            raise UserJobError(f"datum {i}: model_input has no tokens")
+
+
+def _result(job: Job, out: LossOutput) -> JobResult:
+    outputs = [{k: v.detach().cpu().numpy() for k, v in o.items()} for o in out.outputs]
+    body = encode_forward_backward_output(outputs, out.metrics)
+    return JobResult(job_id=job.job_id, media_type="application/x-protobuf", body=body)
