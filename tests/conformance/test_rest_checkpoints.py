@@ -120,10 +120,14 @@ def test_copy_weights(server: ServerProcess, run) -> None:  # type: ignore[no-un
     again = resumed.forward(batch(3), "cross_entropy").result()
     for a, b in zip(fwd.loss_fn_outputs, again.loss_fn_outputs):
         assert a["logprobs"].tolist() == pytest.approx(b["logprobs"].tolist(), abs=1e-5)
+    rc.delete_checkpoint(copy_run, "weights/to-copy").result()  # the (run id, checkpoint id) form
+    assert rc.list_checkpoints(copy_run).result().checkpoints == []
 
 
 def test_storage_usage(server: ServerProcess, run) -> None:  # type: ignore[no-untyped-def]
     sc, tc, state, sampler = run
+    caps = rest(server).get_server_capabilities().result()
+    assert server.base_model in {m.model_name for m in caps.supported_models}
     admin = tinker.AdminClient(base_url=server.base_url, api_key=server.api_key_a)
     usage = admin.get_current_checkpoint_storage_usage().result().data
     listed = rest(server).list_user_checkpoints(limit=1000).result().checkpoints

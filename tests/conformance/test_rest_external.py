@@ -3,6 +3,9 @@ adapter that, loaded with PeftModel.from_pretrained, gives the same logprobs as 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -68,3 +71,24 @@ def test_external_weights_reject_encryption_and_training_load(server: ServerProc
         assert status_of(lambda: sc.create_training_client_from_state(path).result()) == 400
         with pytest.raises(ValueError):  # the SDK itself refuses URLs for non-external checkpoints
             rest(server).get_external_weights_urls(tc.save_state("st").result().path)
+
+
+def test_tinker_cli_downloads_a_training_checkpoint(server: ServerProcess, tmp_path: Path) -> None:
+    """`tinker checkpoint download` of a weights/ path: load, temporary export, signed URLs, delete, close."""
+    with tinker.ServiceClient(base_url=server.base_url, api_key=server.api_key_a) as sc:
+        tc = trained_client(sc, server.base_model, steps=1, seed=12)
+        path = tc.save_state("cli").result().path
+        sampler = tc.save_weights_for_sampler("cli-sampler").result().path
+    env = {**os.environ, "TINKER_BASE_URL": server.base_url, "TINKER_API_KEY": server.api_key_a}  # type: ignore[attr-defined]
+    out = subprocess.run([str(Path(sys.executable).with_name("tinker")), "checkpoint", "download", path,
+                          "--output", str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    (folder,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    got = {f.name: f.read_bytes() for f in folder.iterdir()}
+    run_id, kind, name = sampler.removeprefix("tinker://").split("/")
+    (expected,) = server.data_dir.glob(f"checkpoints/*/{run_id}/{kind}/{name}")
+    assert got["adapter_model.safetensors"] == (expected / "adapter_model.safetensors").read_bytes()
+    assert "adapter_config.json" in got
+    temporary = [c for c in rest(server).list_user_checkpoints(limit=1000).result().checkpoints
+                 if c.checkpoint_type == "external" and c.tinker_path.endswith("/download")]
+    assert temporary == []  # the CLI deleted its temporary export
