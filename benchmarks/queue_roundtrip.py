@@ -41,6 +41,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc), to report CPU cost per job independent of load."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
@@ -121,13 +127,15 @@ def main() -> None:
         me = [sys.executable, __file__, "--role", "worker", "--redis-url", redis_url, "--prefix", prefix,
               "--work-file", str(work_file)]
         time.sleep(0.3)
-        procs.append(subprocess.Popen(me, env=env))
+        worker_proc = subprocess.Popen(me, env=env)
+        procs.append(worker_proc)
         cli = [sys.executable, "-m", "deploy.cli"]
         key = subprocess.run([*cli, "keys", "create", "--tenant", "bench"], env=env, capture_output=True, text=True,
                              check=True).stdout.strip()
         gw_port = free_port()
-        procs.append(subprocess.Popen([*cli, "serve", "--port", str(gw_port), "--log-level", "WARNING"], env=env,
-                                      stdout=subprocess.DEVNULL, stderr=open(tmp / "gateway.log", "wb")))
+        gateway = subprocess.Popen([*cli, "serve", "--port", str(gw_port), "--log-level", "WARNING"], env=env,
+                                   stdout=subprocess.DEVNULL, stderr=open(tmp / "gateway.log", "wb"))
+        procs.append(gateway)
         base_url = f"http://127.0.0.1:{gw_port}"
         with httpx.Client(base_url=base_url, headers={"X-API-Key": key}, timeout=60) as http:
             for _ in range(600):
@@ -144,7 +152,9 @@ def main() -> None:
             http.post("/api/v1/retrieve_future", json={"request_id": made["request_id"]})
         model_id = made["model_id"]
         http_roundtrips(base_url, key, 50, 1, model_id)  # warm-up
+        cpu0 = (cpu_seconds(gateway.pid), cpu_seconds(worker_proc.pid))
         noop = http_roundtrips(base_url, key, args.jobs, 51, model_id)
+        cpu1 = (cpu_seconds(gateway.pid), cpu_seconds(worker_proc.pid))
         work_file.write_text(str(args.work_ms))
         work = http_roundtrips(base_url, key, args.work_jobs, 51 + args.jobs, model_id)
         work_file.write_text("0")
@@ -155,6 +165,8 @@ def main() -> None:
             "loadavg_1m": round(os.getloadavg()[0], 2),
             "noop_p50_ms": round(pct(noop, 0.5) * ms, 3), "noop_p99_ms": round(pct(noop, 0.99) * ms, 3),
             "queue_only_p50_ms": round(pct(bare, 0.5) * ms, 3), "queue_only_p99_ms": round(pct(bare, 0.99) * ms, 3),
+            "gateway_cpu_ms_per_job": round((cpu1[0] - cpu0[0]) * ms / args.jobs, 3),
+            "worker_cpu_ms_per_job": round((cpu1[1] - cpu0[1]) * ms / args.jobs, 3),
             "work_ms": args.work_ms, "work_p50_ms": round(pct(work, 0.5) * ms, 3),
             "overhead_ratio_p50": round(pct(work, 0.5) * ms / args.work_ms, 3),
             "overhead_ratio_mean": round(sum(work) / len(work) * ms / args.work_ms, 3),

@@ -193,10 +193,7 @@ class RedisQueue(JobQueue):
         if not entries:
             return []
         ids = [f[b"id"].decode() for _, f in entries]
-        async with self.client.pipeline(transaction=False) as pipe:
-            for job_id in ids:
-                await self._s["START"](keys=[self.keys.job(job_id)], client=pipe)
-            starts = await pipe.execute()
+        starts = await self._s["START"](keys=[self.keys.job(i) for i in ids])
         out = []
         for (entry, fields), job_id, (state, feed) in zip(entries, ids, starts):
             self._inflight[job_id] = (entry, queue_name, (feed or b"").decode())

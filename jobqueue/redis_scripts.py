@@ -1,7 +1,7 @@
 """The Lua scripts of the Redis queue: each one is a step that must happen atomically.
 
 submit   SET NX the dedup key (or compare fingerprints), write the job hash, XADD the job.
-start    mark a fetched job running; tell the worker whether it was cancelled meanwhile and which feed it has.
+start    mark a batch of fetched jobs running; tell the worker whether it was cancelled meanwhile and which feed it has.
 complete store the result bytes, wake waiters (PUBLISH), record the seq/replay log, XACK + XDEL the entry,
          all fenced by the worker's lease token: a worker that lost its lease changes nothing.
 deliver  read a result and, on its first delivery, extend its life by the result TTL.
@@ -32,10 +32,14 @@ return {2, ARGV[1]}
 """
 
 START = """
--- KEYS: job.  Returns {state before, feed}; state is false for an unknown (expired) job.
-local r = redis.call('HMGET', KEYS[1], 'state', 'feed')
-if r[1] == 'queued' then redis.call('HSET', KEYS[1], 'state', 'running') end
-return r
+-- KEYS: the job hashes of a batch just read.  Returns {state before, feed} per job (state false: expired job).
+local out = {}
+for i, key in ipairs(KEYS) do
+  local r = redis.call('HMGET', key, 'state', 'feed')
+  if r[1] == 'queued' then redis.call('HSET', key, 'state', 'running') end
+  out[i] = r
+end
+return out
 """
 
 COMPLETE = """
