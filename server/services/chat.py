@@ -18,8 +18,16 @@ from dataclasses import dataclass
 from tinker.proto import tinker_public_pb2 as pb
 
 from api_schemas.jobs import Job, Sample, SampleParams, WeightsRef
-from api_schemas.openai import AssistantMessage, ChatCompletion, ChatCompletionRequest, Choice, ModelCard, ModelList, Usage
 from api_schemas.models import ServedModel
+from api_schemas.openai import (
+    AssistantMessage,
+    ChatCompletion,
+    ChatCompletionRequest,
+    Choice,
+    ModelCard,
+    ModelList,
+    Usage,
+)
 from server.db import repositories as repo
 from server.errors import BadRequest, DomainError, NotFound
 from server.services import sampling
@@ -123,8 +131,9 @@ async def complete(ctx: Context, tenant_id: str, req: ChatCompletionRequest) -> 
         tokens = _tokens(seq)
         generated += len(tokens)
         text, _ = _cut_at_stop(p.tok.decode(tokens), req.stop_strings)
-        reason = "stop" if seq.stop_reason == pb.STOP_REASON_STOP else "length"
-        choices.append(Choice(index=i, message=AssistantMessage(content=text), finish_reason=reason))
+        stopped = seq.stop_reason == pb.STOP_REASON_STOP
+        message = AssistantMessage(content=text)
+        choices.append(Choice(index=i, message=message, finish_reason="stop" if stopped else "length"))
     usage = Usage(prompt_tokens=len(p.prompt), completion_tokens=generated, total_tokens=len(p.prompt) + generated)
     return ChatCompletion(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=req.model,
                           choices=choices, usage=usage)

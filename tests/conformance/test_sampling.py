@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import httpx
 import numpy as np
 import pytest
@@ -99,7 +98,8 @@ def test_sampler_keeps_its_weights_after_newer_saves(server: ServerProcess) -> N
         assert np.abs(newer - first).max() > 1e-3
         np.testing.assert_allclose(prompt_logprobs(old, PROMPT), first, atol=1e-6)
         np.testing.assert_allclose(prompt_logprobs(ephemeral, PROMPT), first, atol=1e-6)
-        np.testing.assert_allclose(prompt_logprobs(sc.create_sampling_client(model_path=path1).result(), PROMPT), first, atol=1e-6)
+        fresh = sc.create_sampling_client(model_path=path1).result()
+        np.testing.assert_allclose(prompt_logprobs(fresh, PROMPT), first, atol=1e-6)
         np.testing.assert_allclose(newer, forward_logprobs(tc, PROMPT), atol=1e-4)
 
 
@@ -113,9 +113,9 @@ def test_samplers_are_private_to_their_tenant(server: ServerProcess) -> None:
     assert r.status_code == 404, r.text
     r = httpx.get(f"{server.base_url}/api/v1/samplers/{sampler_id}", headers={"X-API-Key": server.api_key_a})
     assert r.status_code == 200 and r.json()["model_path"] == path
-    with tinker.ServiceClient(base_url=server.base_url, api_key=server.api_key_b) as sc_b:
-        with pytest.raises(tinker.NotFoundError):
-            sc_b.create_sampling_client(model_path=path).result()
+    with tinker.ServiceClient(base_url=server.base_url, api_key=server.api_key_b) as sc_b, \
+            pytest.raises(tinker.NotFoundError):
+        sc_b.create_sampling_client(model_path=path).result()
     body = {"sampling_session_id": sampler_id, "seq_id": 0, "num_samples": 1,
             "prompt": {"chunks": [{"type": "encoded_text", "tokens": PROMPT}]},
             "sampling_params": {"max_tokens": 2, "temperature": 0}}

@@ -28,4 +28,4 @@ def test_matches_transformers(tiny_model_dir: Path) -> None:
 
 def test_the_chat_template_module_does_not_import_torch() -> None:
     code = "import sys, server.services.chat_template; sys.exit('torch' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

@@ -30,7 +30,10 @@ def slot_id(version: str) -> str:
     return f"sampler:{version}"
 
 
-def read_peft_folder(folder: Path, layers: dict[str, LoraLinear]) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], float]:
+LoraPairs = dict[str, tuple[torch.Tensor, torch.Tensor]]  # layer name -> (A, B) in PEFT layout
+
+
+def read_peft_folder(folder: Path, layers: dict[str, LoraLinear]) -> tuple[LoraPairs, float]:
     """{layer name: (A, B)} and the scale of a PEFT LoRA folder, checked against the base model's layers."""
     try:
         config = json.loads((folder / "adapter_config.json").read_text())
@@ -41,7 +44,7 @@ def read_peft_folder(folder: Path, layers: dict[str, LoraLinear]) -> tuple[dict[
         raise SamplerUserError(f"unsupported adapter type {config.get('peft_type')!r}; only LoRA is served")
     rank, alpha = int(config["r"]), float(config.get("lora_alpha", config["r"]))
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-    pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    pairs: LoraPairs = {}
     for key, a in tensors.items():
         if not key.endswith(".lora_A.weight"):
             continue

@@ -18,6 +18,11 @@ from transformers import DynamicCache
 from workers.sampling.lora_apply import SamplerLora, Segment, segments_for
 
 
+def _kv(cache: DynamicCache) -> list[Any]:
+    """The cache's per-layer entries (full-attention DynamicLayers: `.keys` / `.values` of shape (B, H, L, D))."""
+    return list(cache.layers)
+
+
 def _cache_kwarg(model: torch.nn.Module) -> str:
     params = inspect.signature(model.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
@@ -54,7 +59,7 @@ class KVBatch:
     def merge(self, cache: DynamicCache, length: int, slots: list[str | None]) -> None:
         """Add rows whose cache (len(slots) rows, `length` tokens each) came from `prefill` (+ repetition)."""
         n = len(slots)
-        device = cache.layers[0].keys.device
+        device = _kv(cache)[0].keys.device
         if self.cache is None or self.mask is None:
             self.cache, self.mask = cache, torch.ones(n, length, dtype=torch.long, device=device)
             self.lengths, self.slots = [length] * n, list(slots)
@@ -62,7 +67,7 @@ class KVBatch:
             width = max(self.mask.shape[1], length)
             _pad_left(self.cache, width - self.mask.shape[1])
             _pad_left(cache, width - length)
-            for mine, theirs in zip(self.cache.layers, cache.layers):
+            for mine, theirs in zip(_kv(self.cache), _kv(cache)):
                 mine.keys = torch.cat([mine.keys, theirs.keys])
                 mine.values = torch.cat([mine.values, theirs.values])
             new_mask = torch.zeros(n, width, dtype=torch.long, device=device)
@@ -89,7 +94,7 @@ class KVBatch:
         trim = self.mask.shape[1] - max(self.lengths)
         if trim > 0:
             self.mask = self.mask[:, trim:]
-            for layer in self.cache.layers:
+            for layer in _kv(self.cache):
                 layer.keys, layer.values = layer.keys[:, :, trim:], layer.values[:, :, trim:]
 
     def decode(self, tokens: list[int]) -> torch.Tensor:
@@ -109,7 +114,7 @@ class KVBatch:
 def _pad_left(cache: DynamicCache, n: int) -> None:
     if n <= 0:
         return
-    for layer in cache.layers:
+    for layer in _kv(cache):
         shape = (*layer.keys.shape[:2], n, layer.keys.shape[-1])
         layer.keys = torch.cat([layer.keys.new_zeros(shape), layer.keys], dim=2)
         vshape = (*layer.values.shape[:2], n, layer.values.shape[-1])

@@ -24,7 +24,13 @@ from api_schemas.jobs import Sample
 from workers.checkpoints.store import CheckpointStore
 from workers.engine.base_model import BaseModel
 from workers.sampling.adapters import AdapterSlots
-from workers.sampling.base import SamplerBackend, SamplerConfig, SamplerUserError, encode_sample_response, eos_token_ids
+from workers.sampling.base import (
+    SamplerBackend,
+    SamplerConfig,
+    SamplerUserError,
+    encode_sample_response,
+    eos_token_ids,
+)
 from workers.sampling.kv_batch import KVBatch
 from workers.sampling.lora_apply import SamplerLora
 from workers.sampling.requests import ActiveRequest, Row, prompt_scores
@@ -108,7 +114,7 @@ class TorchSampler(SamplerBackend):
                         self.steps += 1
                         self._advance(rows, logits)
                         self._retire(rows, active)
-                except Exception:  # a fault in the shared batch fails its requests; the engine goes on
+                except Exception:  # noqa: BLE001 - a fault in the shared batch fails its requests; the engine goes on
                     log.exception("sampler step failed")
                     self._fail_all([], active)
                     rows.clear()
@@ -140,7 +146,7 @@ class TorchSampler(SamplerBackend):
                 self._start_request(item, active, rows)
             except SamplerUserError as e:
                 _resolve(item.loop, item.future, error=e)
-            except Exception as e:  # this request's prefill failed before it joined the batch
+            except Exception as e:  # noqa: BLE001 - this request's prefill failed before it joined the batch
                 log.exception("sampler could not start a request")
                 _resolve(item.loop, item.future, error=e)
         return left
@@ -212,7 +218,7 @@ class TorchSampler(SamplerBackend):
             self.slots.release(req.spec.weights)
             try:
                 _resolve(req.loop, req.future, body=encode_sample_response(req.result()))
-            except Exception as e:  # encoding is this request's problem only
+            except Exception as e:  # noqa: BLE001 - encoding is this request's problem only
                 _resolve(req.loop, req.future, error=e)
 
     def _fail_all(self, waiting: list[_Inbound], active: list[ActiveRequest]) -> None:
