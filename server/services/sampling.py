@@ -12,7 +12,12 @@ import uuid
 from collections.abc import Awaitable, Callable
 
 from api_schemas.jobs import Job, Payload, SaveWeights, WeightsRef
-from api_schemas.tinker.sampling import CreateSamplingSessionRequest, GetSamplerResponse, SampleFuture, SampleRequest
+from api_schemas.tinker.sampling import (
+    CreateSamplingSessionRequest,
+    GetSamplerResponse,
+    SampleFuture,
+    SampleRequest,
+)
 from api_schemas.tinker.types import SaveWeightsForSamplerRequest, UntypedFuture
 from jobqueue.base import DuplicateJobMismatch
 from server.db import repositories as repo

@@ -53,14 +53,14 @@ class SamplerConfig:
 class SamplerBackend(abc.ABC):
     """One base model's sampler. `sample` is called concurrently from one event loop."""
 
-    async def start(self) -> None:  # noqa: B027 - optional hook: load engines, warm up
+    async def start(self) -> None:  # optional hook: load engines, warm up
         pass
 
     @abc.abstractmethod
     async def sample(self, spec: Sample) -> bytes:
         """Serve one asample / compute_logprobs request; returns a serialized tinker_public.SampleResponse."""
 
-    async def close(self) -> None:  # noqa: B027 - optional hook
+    async def close(self) -> None:  # optional hook
         pass
 
 

@@ -9,7 +9,7 @@ from workers.engine.base_model import BaseModel
 from workers.sampling.base import SamplerBackend, SamplerConfig
 
 
-def build_sampler(  # noqa: PLR0913 - the settings a sampler needs, spelled out
+def build_sampler(
     kind: str,
     model_name: str,
     model_folder: Path,
