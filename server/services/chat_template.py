@@ -68,8 +68,8 @@ class ChatTokenizer:
 @lru_cache(maxsize=8)
 def chat_tokenizer(tokenizer_id: str) -> ChatTokenizer:
     folder = Path(tokenizer_id)
-    if not (folder / "tokenizer.json").exists():
-        from huggingface_hub import snapshot_download  # a hub id: tokenizer files only, from the local cache if offline
+    if not (folder / "tokenizer.json").exists():  # a hub id: tokenizer files only, from the local cache if offline
+        from huggingface_hub import snapshot_download
 
         folder = Path(snapshot_download(tokenizer_id, allow_patterns=["tokenizer*", "chat_template*", "special_*"]))
     return ChatTokenizer(folder)
