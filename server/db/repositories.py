@@ -86,6 +86,23 @@ async def sampling_session_by_id(s: AsyncSession, sampling_session_id: str) -> S
     return await s.get(SamplingSessionRow, sampling_session_id)
 
 
+async def ephemeral_sampling_sessions(s: AsyncSession) -> Sequence[tuple[SamplingSessionRow, SessionRow]]:
+    """Every ephemeral sampling session with its client session, newest first."""
+    q = (
+        select(SamplingSessionRow, SessionRow)
+        .join(SessionRow, SessionRow.id == SamplingSessionRow.session_id)
+        .where(SamplingSessionRow.ephemeral.is_(True))
+        .order_by(SamplingSessionRow.created_at.desc(), SamplingSessionRow.seq_id.desc())
+    )
+    return [(a, b) for a, b in (await s.execute(q)).all()]
+
+
+async def delete_sampling_session(s: AsyncSession, sampling_session_id: str) -> None:
+    row = await s.get(SamplingSessionRow, sampling_session_id)
+    if row is not None:
+        await s.delete(row)
+
+
 async def sampler_checkpoints_of(s: AsyncSession, tenant_id: str) -> Sequence[CheckpointRow]:
     q = select(CheckpointRow).where(
         CheckpointRow.tenant_id == tenant_id, CheckpointRow.kind == "sampler_weights", CheckpointRow.status == "ready"

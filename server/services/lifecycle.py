@@ -1,5 +1,6 @@
 """The gateway's maintenance loop, started in the app lifespan: expire checkpoints past their TTL (files and rows),
-settle saves whose future nobody collected, and start the auto-pushes of finished runs.
+settle saves whose future nobody collected, start the auto-pushes of finished runs, and reclaim ephemeral sampler
+weights nobody can use any more.
 
 Every step is idempotent, so several gateways of a cluster may run the loop side by side.
 """
@@ -10,7 +11,7 @@ import asyncio
 import logging
 
 from server.services import checkpoints as ckpt
-from server.services import hub_push
+from server.services import hub_push, sampling
 from server.services.context import Context
 
 log = logging.getLogger(__name__)
@@ -24,7 +25,7 @@ async def run_maintenance(ctx: Context) -> None:
 
 
 async def maintain_once(ctx: Context) -> None:
-    for step in (ckpt.sweep_expired, ckpt.settle_pending, hub_push.trigger_auto_pushes):
+    for step in (ckpt.sweep_expired, ckpt.settle_pending, hub_push.trigger_auto_pushes, sampling.reclaim_ephemeral):
         try:
             await step(ctx)
         except Exception:  # one failing step must not stop the others, nor the next round

@@ -8,8 +8,11 @@ weights it was created from whatever the tenant saves later. Sample jobs travel 
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import uuid
 from collections.abc import Awaitable, Callable
+from datetime import timedelta
 
 from api_schemas.jobs import Job, Payload, SaveWeights, WeightsRef
 from api_schemas.tinker.sampling import (
@@ -21,7 +24,7 @@ from api_schemas.tinker.sampling import (
 from api_schemas.tinker.types import SaveWeightsForSamplerRequest, UntypedFuture
 from jobqueue.base import DuplicateJobMismatch
 from server.db import repositories as repo
-from server.db.models import CheckpointRow, ModelRow, SamplingSessionRow
+from server.db.models import CheckpointRow, ModelRow, SamplingSessionRow, utcnow
 from server.errors import BadRequest, NotFound
 from server.services import checkpoints as ckpt
 from server.services.context import Context
@@ -30,6 +33,11 @@ from server.services.sample_validation import sample_payload
 from server.services.sessions import live_session
 
 CLONE_BLOCK = 1_000_000_000  # the SDK numbers a cloned client's seq_ids in its own block of this size
+# Ephemeral weights kept per training run while its session lives: an RL loop saves every step, and a sampler a few
+# steps stale (async RL) must keep working; older ones are reclaimed (their clients then get 404).
+EPHEMERAL_KEEP_PER_RUN = 16
+
+log = logging.getLogger(__name__)
 
 QueueOp = Callable[[Context, str, ModelRow, int, Callable[[], Awaitable[Payload]], str], Awaitable[UntypedFuture]]
 
@@ -157,3 +165,35 @@ async def submit_sample(ctx: Context, tenant_id: str, sampler_id: str, base_mode
         raise BadRequest(f"seq_id {seq_id} of {sampler_id} was already used for a different request") from e
     n = payload.num_samples if hasattr(payload, "num_samples") else 1
     return SampleFuture(request_id=request_id, sample_sequence_ids=[f"{sampler_id}:{seq_id}:{i}" for i in range(n)])
+
+
+async def reclaim_ephemeral(ctx: Context) -> int:
+    """Maintenance step: delete the files and rows of ephemeral sampling sessions that nobody can use any more,
+    those of finished or timed-out client sessions, and all but the newest EPHEMERAL_KEEP_PER_RUN of a training run.
+    Returns how many went."""
+    if ctx.storage is None:
+        return 0
+    stale_before = utcnow() - timedelta(seconds=ctx.settings.session_timeout_seconds)
+    async with ctx.db.session() as s:
+        rows = await repo.ephemeral_sampling_sessions(s)
+    kept: dict[str | None, int] = {}
+    doomed: list[SamplingSessionRow] = []
+    for row, session in rows:
+        heartbeat = session.last_heartbeat_at
+        if heartbeat.tzinfo is None:  # SQLite returns naive datetimes (stored as UTC)
+            heartbeat = heartbeat.replace(tzinfo=stale_before.tzinfo)
+        if session.finished_at is not None or heartbeat < stale_before:
+            doomed.append(row)
+            continue
+        kept[row.source_model_id] = kept.get(row.source_model_id, 0) + 1
+        if kept[row.source_model_id] > EPHEMERAL_KEEP_PER_RUN:
+            doomed.append(row)
+    for row in doomed:
+        try:
+            if row.storage_key is not None:
+                await asyncio.to_thread(ctx.storage.delete, row.storage_key)
+            async with ctx.db.session() as s:
+                await repo.delete_sampling_session(s, row.id)
+        except Exception:  # one broken delete must not stop the others
+            log.exception("could not reclaim ephemeral sampler %s", row.id)
+    return len(doomed)
