@@ -148,7 +148,23 @@ async def asample(ctx: Context, tenant_id: str, req: SampleRequest) -> SampleFut
     row = await owned_sampler(ctx, tenant_id, req.sampling_session_id)
     served = ctx.served(row.base_model)
     payload = sample_payload(req, served, ctx.settings, weights_of(row))
+    await check_still_there(ctx, row)
     return await submit_sample(ctx, tenant_id, row.id, row.base_model, req.seq_id, payload)
+
+
+async def check_still_there(ctx: Context, row: SamplingSessionRow) -> None:
+    """A session made from a checkpoint path samples those exact files: if the checkpoint was deleted or saved again
+    under the same name since, say so rather than serve other weights."""
+    if row.ephemeral or row.model_path is None or row.weights_version is None:
+        return
+    p = ckpt.TinkerPath.parse(row.model_path)
+    async with ctx.db.session() as s:
+        current = await repo.checkpoint(s, p.model_id, p.kind, p.name)
+    if current is None:
+        raise NotFound(f"{row.model_path} was deleted; this sampling session cannot sample any more")
+    if checkpoint_version(current) != row.weights_version:
+        raise BadRequest(f"{row.model_path} was saved again since this sampling session was created; create a new "
+                         "sampling client to sample the new weights")
 
 
 async def submit_sample(ctx: Context, tenant_id: str, sampler_id: str, base_model: str, seq_id: int,

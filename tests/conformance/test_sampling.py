@@ -154,3 +154,19 @@ def test_sample_is_deduplicated_on_seq_id(server: ServerProcess) -> None:
     again = httpx.post(f"{server.base_url}/api/v1/asample", json=body, headers=headers).json()
     assert first["request_id"] == again["request_id"]
     assert first["sample_sequence_ids"] == again["sample_sequence_ids"] and len(first["sample_sequence_ids"]) == 2
+
+
+def test_a_sampler_refuses_weights_saved_again_under_its_name(server: ServerProcess) -> None:
+    with tinker.ServiceClient(base_url=server.base_url, api_key=server.api_key_a) as sc:
+        tc = sc.create_lora_training_client(base_model=server.base_model, rank=4, seed=6).result()
+        train(tc, 1)
+        path = tc.save_weights_for_sampler("same-name").result().path
+        old = tc.create_sampling_client(path).result()
+        before = prompt_logprobs(old, PROMPT)
+        train(tc, 2)
+        assert tc.save_weights_for_sampler("same-name").result().path == path
+        with pytest.raises(tinker.BadRequestError, match="saved again"):
+            old.compute_logprobs(types.ModelInput.from_ints(PROMPT)).result()
+        after = prompt_logprobs(tc.create_sampling_client(path).result(), PROMPT)
+        assert np.abs(after - before).max() > 1e-3
+        np.testing.assert_allclose(after, forward_logprobs(tc, PROMPT), atol=1e-4)
