@@ -9,7 +9,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Sequence
 
-from sqlalchemy import Select, delete, exists, func, or_, select, true
+from sqlalchemy import Select, delete, exists, func, or_, select, true, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from server.db.models import (
@@ -191,3 +191,9 @@ async def pending_saves_of_run(s: AsyncSession, model_id: str) -> int:
         CheckpointRow.model_id == model_id, CheckpointRow.status == "pending"
     )
     return int((await s.execute(q)).scalar_one())
+
+
+async def claim_auto_push(s: AsyncSession, model_id: str, push_id: str) -> bool:
+    q = update(AutoPushRow).where(AutoPushRow.model_id == model_id, AutoPushRow.push_id.is_(None))
+    res = await s.execute(q.values(push_id=push_id))
+    return bool(getattr(res, "rowcount", 0))

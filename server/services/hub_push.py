@@ -71,24 +71,28 @@ async def start_push(ctx: Context, tenant_id: str, req: PushRequest) -> PushStat
     async with ctx.db.session() as s:
         if await lrepo.hub_token(s, tenant_id, req.provider) is None:
             raise BadRequest(f"no {req.provider} token stored for this tenant; PUT /native/v1/hub/tokens/{req.provider}")
-    row = await _launch(ctx, tenant_id, source.tinker_path, source.storage_key, req.provider, req.repo_id,
-                        req.private, "request")
+    row = _new_push(tenant_id, source.tinker_path, source.storage_key, req.provider, req.repo_id, req.private,
+                    "request")
+    async with ctx.db.session() as s:
+        await repo.add(s, row)
+    _start(ctx, row)
     return to_wire(row)
 
 
-async def _launch(ctx: Context, tenant_id: str, tinker_path: str, storage_key: str, provider: str, repo_id: str,  # noqa: PLR0913
-                  private: bool, trigger: str, error: str | None = None) -> HubPushRow:
+def _new_push(tenant_id: str, tinker_path: str, storage_key: str, provider: str, repo_id: str,  # noqa: PLR0913
+              private: bool, trigger: str, error: str | None = None) -> HubPushRow:
     row = HubPushRow(id=str(uuid.uuid4()), tenant_id=tenant_id, tinker_path=tinker_path, storage_key=storage_key,
-                     provider=provider, repo_id=repo_id, private=private, trigger=trigger)
-    if error is not None:
+                     provider=provider, repo_id=repo_id, private=private, trigger=trigger, status="queued")
+    if error is not None:  # recorded as failed at once: the reason is what the tenant polls
         row.status, row.error, row.finished_at = "failed", error, utcnow()
-    async with ctx.db.session() as s:
-        await repo.add(s, row)
-    if error is None:
+    return row
+
+
+def _start(ctx: Context, row: HubPushRow) -> None:
+    if row.status == "queued":
         task = asyncio.create_task(_run(ctx, row.id))
         _running.add(task)
         task.add_done_callback(_running.discard)
-    return row
 
 
 async def _run(ctx: Context, push_id: str) -> None:
@@ -133,7 +137,10 @@ async def get_push(ctx: Context, tenant_id: str, push_id: str) -> PushStatus:
 
 
 async def fail_interrupted(ctx: Context) -> None:
-    """At start: pushes a previous process left unfinished are reported failed (the client may push again)."""
+    """At start of a single-gateway deployment (no Redis): pushes a previous process left unfinished are reported
+    failed (the client may push again). With several gateways the unfinished ones may be another gateway's."""
+    if ctx.settings.redis_url is not None:
+        return
     async with ctx.db.session() as s:
         for row in await lrepo.unfinished_pushes(s):
             row.status, row.error, row.finished_at = "failed", "interrupted by a server restart; push again", utcnow()
@@ -173,7 +180,8 @@ def _auto_wire(row: AutoPushRow) -> AutoPushStatus:
 
 
 async def trigger_auto_pushes(ctx: Context) -> None:
-    """Runs whose session finished: push their newest checkpoint (a failed push row when there is nothing)."""
+    """Runs whose session finished: push their newest checkpoint (a failed push row when there is nothing).
+    A rule is claimed with one conditional UPDATE first, so gateways running this side by side push it once."""
     async with ctx.db.session() as s:
         due = await lrepo.due_auto_pushes(s)
     for rule, run in due:
@@ -194,9 +202,10 @@ async def trigger_auto_pushes(ctx: Context) -> None:
         elif not has_token:
             error = f"no {rule.provider} token stored for this tenant"
         path = source.tinker_path if source is not None else f"tinker://{run.id}"
-        row = await _launch(ctx, rule.tenant_id, path, source.storage_key if source else "", rule.provider,
-                            rule.repo_id, rule.private, "auto", error)
+        row = _new_push(rule.tenant_id, path, source.storage_key if source else "", rule.provider, rule.repo_id,
+                        rule.private, "auto", error)
         async with ctx.db.session() as s:
-            fresh = await lrepo.auto_push_of(s, rule.tenant_id, run.id)
-            if fresh is not None:
-                fresh.push_id = row.id
+            if not await lrepo.claim_auto_push(s, run.id, row.id):
+                continue  # another gateway took it
+            await repo.add(s, row)
+        _start(ctx, row)
