@@ -40,8 +40,10 @@ async def checkpoints_of_tenant(
     return (await s.execute(q.limit(limit).offset(offset))).scalars().all(), total
 
 
-async def latest_checkpoint(s: AsyncSession, model_id: str, kind: str) -> CheckpointRow | None:
+async def latest_checkpoint(s: AsyncSession, model_id: str, kind: str, public_only: bool = False) -> CheckpointRow | None:
     q = select(CheckpointRow).where(CheckpointRow.model_id == model_id, CheckpointRow.kind == kind, READY)
+    if public_only:
+        q = q.where(CheckpointRow.public.is_(True))
     q = q.order_by(CheckpointRow.created_at.desc(), CheckpointRow.id.desc()).limit(1)
     return (await s.execute(q)).scalar_one_or_none()
 

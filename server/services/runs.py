@@ -40,11 +40,14 @@ def owner_urn(tenant_id: str) -> str:
     return f"twinkle:tenant:{tenant_id}"
 
 
-async def _to_wire(ctx: Context, row: ModelRow) -> TrainingRun:
+async def _to_wire(ctx: Context, row: ModelRow, viewer: str) -> TrainingRun:
+    """Another tenant's run (accessible through a published checkpoint) shows only published checkpoints and no
+    user metadata."""
+    other = row.tenant_id != viewer
     async with ctx.db.session() as s:
-        last = await lrepo.latest_checkpoint(s, row.id, "weights")
-        last_sampler = await lrepo.latest_checkpoint(s, row.id, "sampler_weights")
-    owner_view = {str(k): str(v) for k, v in (row.user_metadata or {}).items()}
+        last = await lrepo.latest_checkpoint(s, row.id, "weights", public_only=other)
+        last_sampler = await lrepo.latest_checkpoint(s, row.id, "sampler_weights", public_only=other)
+    owner_view = {} if other else {str(k): str(v) for k, v in (row.user_metadata or {}).items()}
     last_request = ckpt.aware(row.last_request_at) or ckpt.aware(row.created_at)
     assert last_request is not None
     return TrainingRun(
@@ -62,7 +65,7 @@ async def list_runs(
     async with ctx.db.session() as s:
         rows, total = await lrepo.runs(s, tenant_id, limit, offset, scope == "accessible", project_id)
     return TrainingRunsResponse(
-        training_runs=[await _to_wire(ctx, r) for r in rows],
+        training_runs=[await _to_wire(ctx, r, tenant_id) for r in rows],
         cursor=Cursor(offset=offset, limit=limit, total_count=total),
     )
 
@@ -72,7 +75,7 @@ async def get_run(ctx: Context, tenant_id: str, model_id: str, scope: Scope) -> 
         row = await lrepo.run_visible(s, tenant_id, model_id, scope == "accessible")
     if row is None:
         raise NotFound(f"training run {model_id} not found")
-    return await _to_wire(ctx, row)
+    return await _to_wire(ctx, row, tenant_id)
 
 
 async def weights_info(ctx: Context, tenant_id: str, tinker_path: str) -> WeightsInfoResponse:

@@ -22,9 +22,9 @@ def batch(seed: int = 0, n: int = 3) -> list[types.Datum]:
     return out
 
 
-def trained_client(sc: tinker.ServiceClient, base_model: str, steps: int = 2, seed: int = 3) -> Any:
+def trained_client(sc: tinker.ServiceClient, base_model: str, steps: int = 2, seed: int = 3, **kw: Any) -> Any:
     """A LoRA training client moved away from its initialisation, so its weights matter."""
-    tc = sc.create_lora_training_client(base_model=base_model, rank=4, seed=seed).result()
+    tc = sc.create_lora_training_client(base_model=base_model, rank=4, seed=seed, **kw).result()
     data = batch(seed)
     for _ in range(steps):
         tc.forward_backward(data, "cross_entropy").result()

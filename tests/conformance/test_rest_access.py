@@ -14,7 +14,7 @@ from tests.support.server import ServerProcess
 @pytest.fixture(scope="module")
 def a_run(server: ServerProcess):  # type: ignore[no-untyped-def]
     sc = tinker.ServiceClient(base_url=server.base_url, api_key=server.api_key_a)
-    tc = trained_client(sc, server.base_model, seed=7)
+    tc = trained_client(sc, server.base_model, seed=7, user_metadata={"note": "for tenant A only"})
     state = tc.save_state("shared").result().path
     export = tc.save_weights_external("shared-export").result().path
     fwd = tc.forward(batch(7), "cross_entropy").result()
@@ -53,7 +53,13 @@ def test_published_checkpoint_is_readable_never_writable(server: ServerProcess, 
         assert b.get_weights_info_by_tinker_path(state).result().lora_rank == 4
         runs = b.list_training_runs(limit=1000, access_scope="accessible").result().training_runs
         assert tc.model_id in {r.training_run_id for r in runs}
-        assert b.get_training_run(tc.model_id, access_scope="accessible").result().training_run_id == tc.model_id
+        later = tc.save_state("later").result().path  # newer, not published: B must not see it
+        seen_by_b = b.get_training_run(tc.model_id, access_scope="accessible").result()
+        assert seen_by_b.training_run_id == tc.model_id and seen_by_b.last_checkpoint is not None
+        assert seen_by_b.last_checkpoint.tinker_path == state and seen_by_b.user_metadata is None
+        mine = a.get_training_run(tc.model_id).result()
+        assert mine.last_checkpoint is not None and mine.last_checkpoint.tinker_path == later
+        assert mine.user_metadata == {"note": "for tenant A only"}
         owned = b.list_training_runs(limit=1000).result().training_runs
         assert tc.model_id not in {r.training_run_id for r in owned}
 
