@@ -95,7 +95,14 @@ class StreamConsumer:
         if claimed:
             return claimed
         block = max(1, int(timeout * 1000))
-        reply = await self.client.xreadgroup(GROUP, self.name, {self.stream: ">"}, count=self.batch, block=block)
+        try:
+            reply = await self.client.xreadgroup(GROUP, self.name, {self.stream: ">"}, count=self.batch, block=block)
+        except ResponseError as e:
+            if "NOGROUP" not in str(e):
+                raise
+            log.warning("consumer group of %s is gone (Redis restarted without persistence?); recreating", self.queue_name)
+            await self.ensure_group()
+            return []
         return [(_s(i), f) for _, entries in (reply or []) for i, f in entries if f]
 
     async def _reclaim(self) -> list[Entry]:

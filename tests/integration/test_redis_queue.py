@@ -239,3 +239,17 @@ def test_undecodable_job_is_failed_not_left_blocking(redis_url: str, prefix: str
         await q.close()
 
     run(go())
+
+
+def test_lost_consumer_group_is_recreated(redis_url: str, prefix: str) -> None:
+    async def go() -> None:
+        q = make(redis_url, prefix)
+        assert await q.fetch(Q, timeout=0.1) == []  # takes the lease, creates the group
+        await q.client.delete(q.keys.stream(Q))  # what a Redis restart without persistence leaves behind
+        assert await q.fetch(Q, timeout=0.1) == []
+        j = job()
+        await q.submit(j)
+        assert [g.job_id for g in await q.fetch(Q, timeout=2)] == [j.job_id]
+        await q.close()
+
+    run(go())

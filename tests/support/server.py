@@ -108,7 +108,7 @@ class WorkerProcess:
         return self
 
     def wait_ready(self, timeout: float = 180.0) -> None:
-        """Until this start of the worker holds its queue's lease (it is then consuming jobs)."""
+        """Until this start of the worker holds its training queue's lease (it is then consuming jobs)."""
         assert self.proc is not None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -116,7 +116,7 @@ class WorkerProcess:
                 raise RuntimeError(f"worker exited with {self.proc.returncode}:\n{self.log()}")
             with open(self.log_path, "rb") as f:
                 f.seek(self._mark)
-                if self.READY.encode() in f.read():
+                if any(self.READY in line and line.endswith("|train") for line in f.read().decode(errors="replace").splitlines()):
                     return
             time.sleep(0.1)
         raise RuntimeError(f"worker did not take its lease within {timeout}s:\n{self.log()}")
