@@ -2,7 +2,9 @@
 
 Prints one JSON line: generated tokens per second for both mixes and their ratio (multi / single; the target is
 >= 0.9, i.e. serving many tenants' adapters in one batch costs little). Each mix runs `--repeats` times after a
-warm-up; the best run counts. Adapters are random rank-`--rank` LoRAs on every layer (Tinker's default targets),
+warm-up; the best run counts. Decoding is memory-bound, and every distinct adapter in a batch adds its own weights
+to what a step reads, so the ratio cannot beat about (base + 1 adapter) / (base + 8 adapters) in parameters; the
+line reports both sizes (`lora_params_per_adapter`, `base_params`). Adapters are random rank-`--rank` LoRAs on every layer (Tinker's default targets),
 saved as PEFT folders in a temporary checkpoint store.
 
     python benchmarks/sampler_throughput.py [--backend torch|vllm] [--model NAME_OR_FOLDER] [--max-tokens 64]
@@ -23,17 +25,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
+from tinker.proto import tinker_public_pb2 as pb
 
-from api_schemas.jobs import LoraSpec, Sample, SampleParams, WeightsRef  # noqa: E402
-from server.config import DEFAULT_BASE_MODEL  # noqa: E402
-from workers.checkpoints.store import CheckpointStore  # noqa: E402
-from workers.engine.adapter_pool import AdapterPool  # noqa: E402
-from workers.engine.base_model import BaseModel  # noqa: E402
-from workers.engine.model_assets import resolve_base_model  # noqa: E402
-from workers.sampling.base import SamplerBackend  # noqa: E402
-from workers.sampling.factory import build_sampler  # noqa: E402
-from tinker.proto import tinker_public_pb2 as pb  # noqa: E402
+from api_schemas.jobs import LoraSpec, Sample, SampleParams, WeightsRef
+from server.config import DEFAULT_BASE_MODEL
+from workers.checkpoints.store import CheckpointStore
+from workers.engine.adapter_pool import AdapterPool
+from workers.engine.base_model import BaseModel
+from workers.engine.model_assets import resolve_base_model
+from workers.sampling.base import SamplerBackend
+from workers.sampling.factory import build_sampler
 
 REQUESTS, ADAPTERS = 16, 8
 
@@ -88,6 +90,8 @@ async def main() -> None:
 
     folder = resolve_base_model(args.model, Path(args.data_dir))
     base = BaseModel(args.model, folder, dtype=args.dtype, device=args.device)
+    base_params = sum(p.numel() for p in base.model.parameters())
+    lora_params = sum(args.rank * (layer.base.in_features + layer.base.out_features) for layer in base.layers.values())
     with tempfile.TemporaryDirectory() as tmp:
         store = CheckpointStore(Path(tmp))
         refs = make_adapters(base, store, ADAPTERS, args.rank)
@@ -108,6 +112,7 @@ async def main() -> None:
         "benchmark": "sampler_throughput", "backend": args.backend, "model": args.model, "device": args.device,
         "dtype": args.dtype, "requests": REQUESTS, "adapters": ADAPTERS, "rank": args.rank,
         "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "threads": torch.get_num_threads(),
+        "base_params": base_params, "lora_params_per_adapter": lora_params,
         "tokens_per_s_8_adapters": round(best["multi"], 1), "tokens_per_s_1_adapter": round(best["single"], 1),
         "ratio": round(best["multi"] / best["single"], 3),
     }))
