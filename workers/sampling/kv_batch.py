@@ -1,8 +1,9 @@
 """The rows a torch sampler decodes together: one KV cache, left-padded to a common length, and per-row routing.
 
-A new request is prefilled on its own (no padding, so its prompt logprobs are exactly a training forward's), its
-cache repeated for its samples, then merged into the running batch by left-padding the shorter cache; each decode
-step feeds one token per row with explicit position ids and the padding masked out. Rows are kept grouped by
+Requests that arrive together are prefilled together, right-padded (causal attention never lets a real position see
+the padding after it, so each prompt's logits are a training forward's); each prompt's cache is cut out, repeated for
+its samples, then merged into the running batch by left-padding the shorter cache; each decode step feeds one token
+per row with explicit position ids and the padding masked out. Rows are kept grouped by
 adapter so each adapter serves one contiguous row range (the sampler's LoRA hooks, lora_apply.py) in the shared
 forward pass.
 """
@@ -38,6 +39,11 @@ class KVBatch:
         self.lengths: list[int] = []  # real tokens per row in the cache
         self.slots: list[str | None] = []
 
+    @staticmethod
+    def slot_key(slot: str | None) -> tuple[bool, str]:
+        """Row order in a batch: base-model rows first, then grouped by adapter slot."""
+        return (slot is not None, slot or "")
+
     @property
     def rows(self) -> int:
         return len(self.slots)
@@ -55,6 +61,33 @@ class KVBatch:
         with self.lora.plan([Segment(slot, 0, 1)]):
             logits = self._forward(input_ids=ids, cache=cache, logits_to_keep=0 if all_logits else 1)
         return cache, logits[0]
+
+    def prefill_many(self, prompts: list[list[int]], slots: list[str | None],
+                     all_logits: bool) -> list[tuple[DynamicCache, torch.Tensor]]:
+        """Prefill several prompts in one forward pass; per prompt, its own cache and logits (len(prompt), V)
+        (one prompt alone: only the last position's unless all_logits)."""
+        if len(prompts) == 1:
+            return [self.prefill(prompts[0], slots[0], all_logits)]
+        device = next(self.model.parameters()).device
+        order = sorted(range(len(prompts)), key=lambda i: self.slot_key(slots[i]))
+        width = max(len(p) for p in prompts)
+        ids = torch.zeros(len(prompts), width, dtype=torch.long)
+        mask = torch.zeros(len(prompts), width, dtype=torch.long)
+        for row, i in enumerate(order):
+            ids[row, : len(prompts[i])] = torch.tensor(prompts[i])
+            mask[row, : len(prompts[i])] = 1
+        cache = DynamicCache()
+        with self.lora.plan(segments_for([slots[i] for i in order])):
+            logits = self._forward(input_ids=ids.to(device), attention_mask=mask.to(device), cache=cache,
+                                   logits_to_keep=0)
+        out: list[tuple[DynamicCache, torch.Tensor]] = [None] * len(prompts)  # type: ignore[list-item]
+        for row, i in enumerate(order):
+            n = len(prompts[i])
+            own = DynamicCache()
+            for index, layer in enumerate(_kv(cache)):
+                own.update(layer.keys[row : row + 1, :, :n].clone(), layer.values[row : row + 1, :, :n].clone(), index)
+            out[i] = (own, logits[row, :n])
+        return out
 
     def merge(self, cache: DynamicCache, length: int, slots: list[str | None]) -> None:
         """Add rows whose cache (len(slots) rows, `length` tokens each) came from `prefill` (+ repetition)."""
@@ -76,7 +109,7 @@ class KVBatch:
             self.mask = torch.cat([old, new_mask])
             self.lengths += [length] * n
             self.slots += list(slots)
-        order = sorted(range(self.rows), key=lambda i: (self.slots[i] is not None, self.slots[i] or ""))
+        order = sorted(range(self.rows), key=lambda i: self.slot_key(self.slots[i]))
         if order != list(range(self.rows)):
             self.select(order)
 

@@ -19,6 +19,7 @@ import threading
 from dataclasses import dataclass
 
 import torch
+from transformers import DynamicCache
 
 from api_schemas.jobs import Sample
 from workers.checkpoints.store import CheckpointStore
@@ -37,6 +38,8 @@ from workers.sampling.requests import ActiveRequest, Row, prompt_scores
 from workers.sampling.select import Detokenizer, choose_tokens
 
 log = logging.getLogger(__name__)
+
+PREFILL_LOGITS_BUDGET = 1 << 26  # logits elements of one joint prefill (256 MiB in float32)
 
 
 @dataclass
@@ -61,6 +64,7 @@ class TorchSampler(SamplerBackend):
             self.base = await asyncio.to_thread(BaseModel, c.model_name, c.model_folder, c.dtype, c.device)
         base = self.base
         self.max_context = self.config.max_context or base.max_context
+        self.base_vocab = base.vocab_size
         self.eos = eos_token_ids(self.config.model_folder)
         self.detok = Detokenizer(self.config.model_folder)
         self.lora = SamplerLora(base.layers)
@@ -114,7 +118,7 @@ class TorchSampler(SamplerBackend):
                         self.steps += 1
                         self._advance(rows, logits)
                         self._retire(rows, active)
-                except Exception:  # noqa: BLE001 - a fault in the shared batch fails its requests; the engine goes on
+                except Exception:  # a fault in the shared batch fails its requests; the engine goes on
                     log.exception("sampler step failed")
                     self._fail_all([], active)
                     rows.clear()
@@ -134,35 +138,64 @@ class TorchSampler(SamplerBackend):
             return True
 
     def _admit(self, waiting: list[_Inbound], active: list[ActiveRequest], rows: list[Row]) -> list[_Inbound]:
+        """Start what fits in the batch (one request at least, when the batch is empty); prefill them together."""
+        chosen: list[_Inbound] = []
         left: list[_Inbound] = []
+        used = len(rows)
         for item in waiting:
             if item.future.cancelled():
                 continue
             n = item.spec.num_samples
-            if rows and len(rows) + n > self.config.max_batch_rows:
+            if (used or chosen) and used + n > self.config.max_batch_rows:
                 left.append(item)
                 continue
-            try:
-                self._start_request(item, active, rows)
-            except SamplerUserError as e:
-                _resolve(item.loop, item.future, error=e)
-            except Exception as e:  # noqa: BLE001 - this request's prefill failed before it joined the batch
-                log.exception("sampler could not start a request")
-                _resolve(item.loop, item.future, error=e)
+            chosen.append(item)
+            used += n
+        group: list[_Inbound] = []
+        for item in chosen:  # joint prefills, each within the logits budget
+            width = max([len(i.spec.prompt_tokens) for i in group] + [len(item.spec.prompt_tokens)])
+            if group and (len(group) + 1) * width * self.base_vocab > PREFILL_LOGITS_BUDGET:
+                self._start_group(group, active, rows)
+                group = []
+            group.append(item)
+        if group:
+            self._start_group(group, active, rows)
         return left
 
-    def _start_request(self, item: _Inbound, active: list[ActiveRequest], rows: list[Row]) -> None:
-        spec = item.spec
-        slot = self.slots.acquire(spec.weights)
+    def _start_group(self, group: list[_Inbound], active: list[ActiveRequest], rows: list[Row]) -> None:
+        ready: list[tuple[_Inbound, str | None]] = []
+        for item in group:
+            try:
+                ready.append((item, self.slots.acquire(item.spec.weights)))
+            except Exception as e:  # noqa: BLE001 - a bad adapter fails its own request only
+                _resolve(item.loop, item.future, error=e)
+        if not ready:
+            return
+        scored = any(i.spec.prompt_logprobs or i.spec.topk_prompt_logprobs > 0 for i, _ in ready)
         try:
-            need_all = spec.prompt_logprobs or spec.topk_prompt_logprobs > 0
-            cache, logits = self.batch.prefill(list(spec.prompt_tokens), slot, need_all)
-        except Exception:
-            self.slots.release(spec.weights)
-            raise
+            prefilled = self.batch.prefill_many([list(i.spec.prompt_tokens) for i, _ in ready], [s for _, s in ready],
+                                                all_logits=scored)
+        except Exception as e:  # these requests' prefill failed before they joined the batch
+            log.exception("sampler prefill failed")
+            for item, _ in ready:
+                self.slots.release(item.spec.weights)
+                _resolve(item.loop, item.future, error=e)
+            return
+        for (item, slot), (cache, logits) in zip(ready, prefilled):
+            try:
+                self._start_request(item, slot, cache, logits, active, rows)
+            except Exception as e:  # this request fails before its rows join the batch
+                log.exception("sampler could not start a request")
+                self.slots.release(item.spec.weights)
+                _resolve(item.loop, item.future, error=e)
+
+    def _start_request(self, item: _Inbound, slot: str | None, cache: DynamicCache, logits: torch.Tensor,
+                       active: list[ActiveRequest], rows: list[Row]) -> None:
+        """Score the prompt, pick each sample's first token, and merge the rows still going into the batch."""
+        spec = item.spec
         req = ActiveRequest(spec=spec, loop=item.loop, future=item.future, slot=slot, eos=self.eos,
                             max_context=self.max_context)
-        if need_all:
+        if spec.prompt_logprobs or spec.topk_prompt_logprobs > 0:
             req.output = prompt_scores(spec, logits)
         new_rows = req.make_rows()
         last = logits[-1:].expand(len(new_rows), -1)
