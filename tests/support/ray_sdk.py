@@ -1,0 +1,182 @@
+"""The pieces of tests/integration/ray_flow.py that drive the service: the `serve --backend ray` gateway process,
+replica heartbeats read from Redis, the stock-SDK SFT + sampling flow, and the trainer-kill check."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from tests.support.server import cli, free_port
+
+
+class Gateway:
+    def __init__(self, data_dir: Path, config: Path, ray_address: str, env: dict[str, str]) -> None:
+        self.data_dir, self.config, self.ray_address = data_dir, config, ray_address
+        self.env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "HF_HUB_OFFLINE": "1", **env}
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = data_dir.parent / "gateway.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.api_key = ""
+
+    def start(self) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.api_key = cli("keys", "create", "--tenant", "ray-tenant", data_dir=self.data_dir, env=self.env).strip()
+        cmd = [sys.executable, "-m", "deploy.cli", "serve", "--backend", "ray", "--ray-address", self.ray_address,
+               "--config", str(self.config), "--host", "127.0.0.1", "--port", str(self.port),
+               "--data-dir", str(self.data_dir)]
+        self.proc = subprocess.Popen(cmd, stdout=open(self.log_path, "ab"), stderr=subprocess.STDOUT, env=self.env)
+
+    def wait_ready(self, timeout: float = 300.0, alive: Callable[[], None] = lambda: None) -> float:
+        """Until `/readyz` answers 200 (database, Redis and a live replica of every deployment); returns seconds."""
+        t0 = time.monotonic()
+        last = ""
+        while time.monotonic() - t0 < timeout:
+            assert self.proc is not None
+            alive()
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"gateway exited with {self.proc.returncode}")
+            try:
+                r = httpx.get(f"{self.base_url}/readyz", timeout=5)
+                if r.status_code == 200:
+                    return time.monotonic() - t0
+                last = r.text
+            except httpx.HTTPError as e:
+                last = repr(e)
+            time.sleep(0.5)
+        raise RuntimeError(f"not ready within {timeout}s; last /readyz: {last}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-15000:] if self.log_path.exists() else ""
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def heartbeats(redis_url: str, prefix: str) -> dict[str, list[dict[str, Any]]]:
+    """Live replicas per deployment, as `/readyz` sees them."""
+    import redis.asyncio as aioredis
+
+    from jobqueue.heartbeats import Heartbeats
+    from jobqueue.keys import Keys
+
+    async def read() -> dict[str, list[dict[str, Any]]]:
+        client = aioredis.Redis.from_url(redis_url)
+        try:
+            status = await Heartbeats(client, Keys(prefix)).status()
+            return {d.name: [{"pid": b.pid, "node": b.node, "replica": b.replica} for b in d.live] for d in status}
+        finally:
+            await client.aclose()
+
+    return asyncio.run(read())
+
+
+def batch(step: int) -> list[Any]:
+    from tinker import types
+
+    rng = np.random.default_rng(1000 + step)
+    out = []
+    for _ in range(3):
+        tokens = rng.integers(5, 200, size=10).tolist()
+        out.append(types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                               loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * 9}))
+    return out
+
+
+def sft(tc: Any, steps: int, during: Callable[[int], None] = lambda _: None, same_batch: bool = False) -> list[float]:
+    from tinker import types
+
+    losses = []
+    for step in range(steps):
+        fb = tc.forward_backward(batch(0 if same_batch else step), "cross_entropy")
+        opt = tc.optim_step(types.AdamParams(learning_rate=2e-2))
+        during(step)
+        losses.append(fb.result().metrics["loss:sum"])
+        opt.result()
+    return losses
+
+
+def sdk_flow(gw: Gateway, model: str) -> dict[str, Any]:
+    """Stock SDK: capabilities, LoRA SFT, save for the sampler, sample from the adapter and from the base model."""
+    import tinker
+    from tinker import types
+
+    t0 = time.monotonic()
+    with tinker.ServiceClient(base_url=gw.base_url, api_key=gw.api_key) as sc:
+        caps = [m.model_name for m in sc.get_server_capabilities().supported_models]
+        tc = sc.create_lora_training_client(base_model=model, rank=4, seed=3)
+        losses = sft(tc, 8, same_batch=True)
+        path = tc.save_weights_for_sampler("ray-e2e").result().path
+        prompt = types.ModelInput.from_ints(batch(0)[0].model_input.to_ints()[:4])
+        params = types.SamplingParams(max_tokens=5, seed=1)
+        tuned = sc.create_sampling_client(model_path=path).sample(prompt, num_samples=2, sampling_params=params)
+        base = sc.create_sampling_client(base_model=model).sample(prompt, num_samples=1, sampling_params=params)
+        seqs, base_seqs = tuned.result().sequences, base.result().sequences
+    ok = (caps == [model] and losses[-1] < losses[0] * 0.9 and path.endswith("/sampler_weights/ray-e2e")
+          and len(seqs) == 2 and all(1 <= len(s.tokens) <= 5 for s in seqs) and len(base_seqs) == 1)
+    return {"check": "sdk_flow", "ok": ok, "seconds": round(time.monotonic() - t0, 1), "models": caps,
+            "loss_first": losses[0], "loss_last": losses[-1], "sampled": [list(s.tokens) for s in seqs]}
+
+
+def adapter_state(data_dir: Path, tc: Any, name: str) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    path = tc.save_state(name).result().path
+    run_id, kind, ckpt = path.removeprefix("tinker://").split("/")
+    (folder,) = list(data_dir.glob(f"checkpoints/*/{run_id}/{kind}/{ckpt}"))
+    state = load_file(str(folder / "adapter_model.safetensors"))
+    state.update({f"optim/{k}": v for k, v in load_file(str(folder / "optimizer.safetensors")).items()})
+    return state
+
+
+def _trainer_pids(redis_url: str, prefix: str) -> list[int]:
+    return [b["pid"] for name, bs in heartbeats(redis_url, prefix).items() if name.startswith("trainer-") for b in bs]
+
+
+def weights_survive_kill(gw: Gateway, redis_url: str, prefix: str, model: str, cluster: Any) -> dict[str, Any]:
+    """SIGKILL the trainer replica mid-run: Serve replaces it, the replacement rebuilds the adapter from snapshot +
+    replay, and the final weights and optimizer state equal those of an uninterrupted run with the same data."""
+    import tinker
+
+    t0 = time.monotonic()
+    steps, kill_at = 7, 4  # snapshots every 3 optim_steps: the rebuild loads one and replays after it
+    (old_pid,) = _trainer_pids(redis_url, prefix)
+    rebuilt_before = cluster.grep_serve_logs("rebuilt ")
+    with tinker.ServiceClient(base_url=gw.base_url, api_key=gw.api_key) as sc:
+        ref = sc.create_lora_training_client(base_model=model, rank=4, seed=7)
+        sft(ref, steps)
+        expected = adapter_state(gw.data_dir, ref, "reference")
+
+        def kill(step: int) -> None:
+            if step == kill_at:
+                os.kill(old_pid, signal.SIGKILL)
+
+        tc = sc.create_lora_training_client(base_model=model, rank=4, seed=7)
+        t_kill = time.monotonic()
+        sft(tc, steps, during=kill)
+        got = adapter_state(gw.data_dir, tc, "after-kill")
+        recovered_s = time.monotonic() - t_kill
+    worst = max((got[k] - expected[k]).abs().max().item() for k in expected)
+    new_pids = _trainer_pids(redis_url, prefix)
+    rebuilt = cluster.grep_serve_logs("rebuilt ") - rebuilt_before
+    ready = gw.wait_ready(timeout=60)
+    ok = (got.keys() == expected.keys() and worst < 1e-6 and len(new_pids) == 1 and new_pids[0] != old_pid
+          and rebuilt >= 1)
+    return {"check": "trainer_kill", "ok": ok, "max_abs_diff": worst, "old_pid": old_pid, "new_pids": new_pids,
+            "rebuilt_logged": rebuilt, "run_with_kill_s": round(recovered_s, 1), "ready_after_s": round(ready, 1),
+            "seconds": round(time.monotonic() - t0, 1)}

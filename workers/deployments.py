@@ -1,0 +1,288 @@
+"""Ray Serve deployments around the same worker code as the embedded and `twinkle-server worker` wirings.
+
+Per base model: one `TrainerDeployment` replica (the base model, its adapter pool, the Dispatcher on the model's
+train lane, with crash recovery: a replacement replica rebuilds adapters from snapshot + replay), a `SampleRouter`
+(the sample lane's one consumer, which forwards each job to a sampler replica chosen by the sampling session, see
+workers/session_router.py) and `SamplerDeployment` replicas (torch or vLLM backend, scaled independently). One
+`PusherDeployment` uploads checkpoints to model hubs for every gateway (jobqueue/hub_push_queue.py).
+
+Nothing here calls the gateway: jobs come from Redis and results go back to Redis, so the gateway stays a plain
+FastAPI process. Every replica heartbeats into Redis (jobqueue/heartbeats.py) for `/readyz`, and fails Serve's
+health check when its loop died (e.g. a lost lease), so Serve replaces it. deploy/ray_app.py binds these classes
+with options from the YAML config; workers/ never imports deploy/ or server/.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from api_schemas.jobs import ErrorCategory, Job, JobError, JobResult, queue_name
+from api_schemas.models import ServedModel
+from jobqueue.base import LeaseLost
+from jobqueue.heartbeats import Heartbeats
+from jobqueue.redis_queue import RedisQueue
+
+log = logging.getLogger("twinkle.deployments")
+
+
+class WorkerOptions(BaseModel):
+    """Connection and storage settings every replica needs (deploy/ray_app.py fills them from the settings)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    redis_url: str
+    redis_prefix: str = "twinkle"
+    result_ttl: float = 900.0
+    job_ttl: float = 86400.0
+    lease_ttl: float = 10.0
+    reclaim_idle: float = 30.0
+    data_dir: str
+    storage_location: str
+    storage_cache_dir: str
+    heartbeat_seconds: float = 2.0
+
+
+class ModelOptions(BaseModel):
+    """One served base model, as the trainer, router and sampler replicas of it need it."""
+
+    model_config = ConfigDict(frozen=True, protected_namespaces=())
+
+    name: str  # what clients pass as base_model
+    source: str  # local folder, hub id or modelscope://
+    dtype: str = "float32"
+    device: str = "cpu"
+    snapshot_every: int = 10
+    gap_timeout: float = 60.0
+    sampler: str = "torch"
+    max_batch_rows: int = 64
+    max_loaded_adapters: int = 32
+
+
+class _Replica:
+    """Redis queue, heartbeat and health of one replica; subclasses add their loops with `_spawn`."""
+
+    async def _start(self, opts: WorkerOptions, info: dict[str, str]) -> None:
+        import ray
+
+        self.opts = opts
+        self.queue = RedisQueue(opts.redis_url, prefix=opts.redis_prefix, result_ttl=opts.result_ttl,
+                                job_ttl=opts.job_ttl, lease_ttl=opts.lease_ttl, reclaim_idle=opts.reclaim_idle)
+        ctx = serve.get_replica_context()
+        self.deployment, self.replica = ctx.deployment, ctx.replica_tag
+        self.node = ray.get_runtime_context().get_node_id()
+        self.heartbeats = Heartbeats(self.queue.client, self.queue.keys)
+        self.info = info
+        self.tasks: list[asyncio.Task[None]] = []
+        self._stops: list[Callable[[], None]] = []
+
+    def _spawn(self, run: Callable[[], Awaitable[None]], stop: Callable[[], None] | None = None) -> None:
+        self.tasks.append(asyncio.create_task(run(), name=f"{self.deployment}-{run.__name__}"))
+        if stop is not None:
+            self._stops.append(stop)
+
+    def _begin_heartbeat(self) -> None:
+        self._spawn(self._heartbeat)
+
+    async def _heartbeat(self) -> None:
+        ttl = self.opts.heartbeat_seconds * 3
+        while True:
+            if any(t.done() for t in self.tasks if t is not asyncio.current_task()):
+                return  # a loop died: stop claiming to be alive (check_health fails too)
+            try:
+                await self.heartbeats.beat(self.deployment, self.replica, os.getpid(), self.node, ttl, self.info)
+            except Exception:
+                log.warning("heartbeat of %s failed", self.deployment, exc_info=True)
+            await asyncio.sleep(self.opts.heartbeat_seconds)
+
+    async def check_health(self) -> None:
+        """Serve calls this periodically; raising makes Serve replace the replica."""
+        for t in self.tasks:
+            if t.done():
+                err = None if t.cancelled() else t.exception()
+                raise RuntimeError(f"{t.get_name()} stopped: {err!r}")
+
+    async def status(self) -> dict[str, object]:
+        return {"deployment": self.deployment, "replica": self.replica, "pid": os.getpid(), "node": self.node,
+                **self.info}
+
+    async def __del__(self) -> None:  # Serve's graceful shutdown hook: give the leases back at once
+        for stop in self._stops:
+            stop()
+        for t in self.tasks:
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        try:
+            await self.heartbeats.leave(self.deployment, self.replica)
+        finally:
+            await self.queue.close()
+
+
+def _torch_threads() -> None:
+    import torch
+
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1") or 1)))
+
+
+def _store(opts: WorkerOptions):  # type: ignore[no-untyped-def]
+    from workers.checkpoints.store import CheckpointStore
+
+    return CheckpointStore(opts.storage_location, Path(opts.storage_cache_dir))
+
+
+def _folder(model: ModelOptions, opts: WorkerOptions) -> Path:
+    from workers.engine.model_assets import resolve_base_model
+
+    return resolve_base_model(model.source, Path(opts.data_dir))
+
+
+def _load_base(model: ModelOptions, opts: WorkerOptions):  # type: ignore[no-untyped-def]
+    """Resolve and load the base model (blocking): the same steps as deploy/embedded.build_trainer."""
+    from workers.engine.base_model import BaseModel as Base
+    from workers.engine.model_assets import tokenizer_id_for
+
+    _torch_threads()
+    folder = _folder(model, opts)
+    base = Base(model.name, folder, dtype=model.dtype, device=model.device)
+    cfg = json.loads((folder / "config.json").read_text())
+    served = ServedModel(name=model.name, vocab_size=base.vocab_size, max_context=base.max_context,
+                         tokenizer_id=tokenizer_id_for(folder), arch=(cfg.get("architectures") or [None])[0])
+    return served, base, _store(opts)
+
+
+@serve.deployment(max_ongoing_requests=8)
+class TrainerDeployment(_Replica):
+    async def __init__(self, opts: WorkerOptions, model: ModelOptions) -> None:
+        from workers.dispatcher import Dispatcher
+        from workers.engine.trainer import Trainer
+        from workers.recovery import Recovery
+
+        await self._start(opts, {"kind": "trainer", "base_model": model.name})
+        served, base, store = await asyncio.to_thread(_load_base, model, opts)
+        trainer = Trainer(base, store)
+        self.dispatcher = Dispatcher(self.queue, queue_name(model.name, "train"), trainer.execute,
+                                     gap_timeout=model.gap_timeout,
+                                     recovery=Recovery(trainer, store, snapshot_every=model.snapshot_every))
+        await self.queue.register_served(served)  # the gateways now list the model
+        self._spawn(self.dispatcher.run, self.dispatcher.stop)
+        self._begin_heartbeat()
+        log.info("trainer of %s ready (pid %d)", model.name, os.getpid())
+
+
+@serve.deployment(max_ongoing_requests=64)
+class SamplerDeployment(_Replica):
+    async def __init__(self, opts: WorkerOptions, model: ModelOptions) -> None:
+        from workers.sampling.factory import build_sampler
+        from workers.sampling.worker import SamplerWorker
+
+        await self._start(opts, {"kind": "sampler", "base_model": model.name})
+        if model.sampler == "torch":  # the torch sampler runs on a base model this replica loads once
+            _, base, store = await asyncio.to_thread(_load_base, model, opts)
+            folder = base.folder
+        else:  # vLLM loads the weights itself
+            base, store, folder = None, _store(opts), await asyncio.to_thread(_folder, model, opts)
+        backend = build_sampler(
+            model.sampler, model.name, folder, store, dtype=model.dtype, device=model.device,
+            max_batch_rows=model.max_batch_rows, max_loaded_adapters=model.max_loaded_adapters, shared_base=base,
+        )
+        await backend.start()
+        self.backend = backend
+        # The router consumes the queue; this worker object is used for its request handling only.
+        self.worker = SamplerWorker(self.queue, queue_name(model.name, "sample"), backend)
+        self._begin_heartbeat()
+        log.info("sampler of %s ready (pid %d)", model.name, os.getpid())
+
+    async def execute(self, job: Job) -> JobResult:
+        return await self.worker.execute(job)
+
+    async def __del__(self) -> None:
+        await self.backend.close()
+        await super().__del__()
+
+
+@serve.deployment(max_ongoing_requests=8)
+class SampleRouter(_Replica):
+    """The sample lane's consumer: holds the lease of the model's sample stream, forwards, acknowledges."""
+
+    async def __init__(self, opts: WorkerOptions, model: ModelOptions, sampler: DeploymentHandle,
+                       attempts: int = 3) -> None:
+        await self._start(opts, {"kind": "sample-router", "base_model": model.name})
+        self.sampler, self.attempts = sampler, attempts
+        self.queue_name = queue_name(model.name, "sample")
+        self.inflight: set[asyncio.Task[None]] = set()
+        self._spawn(self._consume)
+        self._begin_heartbeat()
+
+    async def _consume(self) -> None:
+        while True:
+            try:
+                jobs = await self.queue.fetch(self.queue_name, 1.0)
+            except LeaseLost:
+                raise  # another router took over: this replica must be replaced
+            except Exception:  # Redis away (a restart): keep the lease logic, try again shortly
+                log.warning("fetching from %s failed; retrying", self.queue_name, exc_info=True)
+                await asyncio.sleep(0.5)
+                continue
+            for job in jobs:
+                task = asyncio.create_task(self._forward(job))
+                self.inflight.add(task)
+                task.add_done_callback(self.inflight.discard)
+
+    async def _forward(self, job: Job) -> None:
+        result: JobResult | None = None
+        for attempt in range(self.attempts):  # a sampler replica that died mid-request: another one retries
+            try:
+                handle = self.sampler.options(multiplexed_model_id=job.model_id)
+                result = await handle.execute.remote(job)
+                break
+            except Exception as e:  # noqa: BLE001 - RayActorError and friends; the job itself is fine
+                log.warning("sample job %s: sampler call failed (attempt %d): %r", job.job_id, attempt + 1, e)
+                await asyncio.sleep(0.5 * (attempt + 1))
+        if result is None:
+            result = JobResult(job_id=job.job_id, error=JobError(
+                category=ErrorCategory.SERVER, message="no sampler replica could serve the request"))
+        await self.queue.complete(result)
+
+
+@serve.deployment(max_ongoing_requests=8)
+class PusherDeployment(_Replica):
+    """Uploads checkpoints to the Hugging Face Hub / ModelScope for every gateway (requests come via Redis)."""
+
+    async def __init__(self, opts: WorkerOptions, concurrency: int = 2) -> None:
+        from jobqueue.hub_push_queue import HubPushConsumer
+        from jobqueue.sealing import cluster_secret
+        from workers.checkpoints.hub import HubPusherPool
+        from workers.checkpoints.store import CheckpointStore
+
+        await self._start(opts, {"kind": "hub-pusher"})
+        secret = cluster_secret(opts.data_dir)  # from this node's env or data dir, never through Ray
+        if secret is None:
+            log.warning("no server secret here (TWINKLE_SIGNING_SECRET): every hub push will fail")
+        self.pool = HubPusherPool(CheckpointStore(opts.storage_location, Path(opts.storage_cache_dir)), concurrency)
+        self.consumer = HubPushConsumer(self.queue.client, self.queue.keys, secret, self.pool,
+                                        name=f"{self.replica}-{os.getpid()}", concurrency=concurrency)
+        self._spawn(self.consumer.run, self.consumer.stop)
+        self._begin_heartbeat()
+
+    async def __del__(self) -> None:
+        self.pool.close()
+        await super().__del__()
+
+
+@serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=16)
+class Supervisor:
+    """The application's ingress: holds handles to every deployment (so Serve deploys them) and reports status."""
+
+    def __init__(self, **deployments: DeploymentHandle) -> None:
+        self.deployments = deployments
+
+    async def status(self) -> dict[str, object]:
+        return {name: await h.status.remote() for name, h in self.deployments.items()}
