@@ -1,4 +1,4 @@
-"""`twinkle-server`: serve, worker (cluster wiring), migrate (SQL schema), and manage tenants' API keys."""
+"""`twinkle-server`: serve, worker (cluster wiring), migrate (SQL schema), and manage tenants' API keys and quotas."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import os
 import sys
 from typing import Any
 
+from deploy import tenants_cli
 from server.config import Settings
 
 
@@ -197,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     revoke = keys_sub.add_parser("revoke", parents=[common], help="revoke a key by id")
     revoke.add_argument("key_id", type=int)
     keys.set_defaults(func=_keys)
+    tenants_cli.register(sub, common, _settings)  # `tenants set-quota` / `tenants list`
 
     args = parser.parse_args(argv)
     return int(args.func(args))

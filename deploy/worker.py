@@ -35,7 +35,7 @@ def training_dispatcher(
     recovery = Recovery(trainer, store, snapshot_every=settings.snapshot_every_steps)
     return Dispatcher(
         queue, queue_name(served.name, "train"), trainer.execute,
-        gap_timeout=settings.seq_gap_timeout_seconds, recovery=recovery,
+        gap_timeout=settings.seq_gap_timeout_seconds, recovery=recovery, token_budget=settings.train_token_budget,
     )
 
 

@@ -25,7 +25,9 @@ from server.db.database import Database
 from server.errors import DomainError
 from server.services.context import Context
 from server.services.lifecycle import run_maintenance
+from server.services.quotas import QuotaQueue
 from server.services.secrets import Keyring, load_secret
+from server.services.tenant_limits import TenantLimits
 
 log = logging.getLogger(__name__)
 
@@ -38,16 +40,21 @@ def create_app(
     served: dict[str, ServedModel],
     background: Sequence[Background] = (),
     pusher: HubPusher | None = None,
+    limits: TenantLimits | None = None,
 ) -> FastAPI:
     """`background` are long-running coroutines started with the app (the in-process workers in embedded mode);
-    `pusher` uploads checkpoints to a model hub (workers/checkpoints/hub.py, wired by deploy/)."""
+    `pusher` uploads checkpoints to a model hub (workers/checkpoints/hub.py, wired by deploy/); `limits` are the
+    tenants' quotas (shared with an in-process engine, which reads their adapters-in-memory limit)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         db = Database(settings.sqlalchemy_url)
         await db.create_schema()
         storage = CheckpointStorage(settings.storage_location, settings.storage_cache_dir)
-        app.state.ctx = ctx = Context(settings=settings, db=db, queue=queue, models=served, storage=storage,
+        quotas = limits or TenantLimits(settings)
+        quotas.bind(db)
+        gate = QuotaQueue(queue, quotas)  # requests over a tenant's quota wait here (server/services/quotas.py)
+        app.state.ctx = ctx = Context(settings=settings, db=db, queue=gate, models=served, storage=storage,
                                       keyring=Keyring(load_secret(settings)), pusher=pusher)
         tasks = [asyncio.create_task(fn()) for fn in background]
         tasks.append(asyncio.create_task(run_maintenance(ctx)))  # TTL sweep, unsettled saves, auto-push
@@ -59,6 +66,7 @@ def create_app(
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            await gate.close()
             await queue.close()
             await db.close()
 
@@ -74,7 +82,8 @@ def create_app(
 
     @app.exception_handler(DomainError)
     async def _domain_error(_: Request, e: DomainError) -> JSONResponse:
-        return JSONResponse({"detail": e.message, "category": e.category}, status_code=e.status)
+        return JSONResponse({"detail": e.message, "category": e.category}, status_code=e.status,
+                            headers=getattr(e, "headers", None))  # e.g. Retry-After on a 429
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:

@@ -60,6 +60,16 @@ class Settings(BaseSettings):
     modelscope_endpoint: str = "https://www.modelscope.cn"
     hub_push_concurrency: int = Field(2, gt=0)
 
+    # multi-tenant engine (workers/scheduler.py, workers/engine/paging.py) and quotas (server/services/quotas.py)
+    train_token_budget: int = Field(16384, gt=0)  # padded tokens (rows x longest row) in one merged training pass
+    adapter_device_budget_bytes: int | None = Field(None, ge=0)  # adapters' state on the device; None: no limit
+    adapter_host_budget_bytes: int | None = Field(None, ge=0)  # paged-out adapters in host memory, then disk
+    quota_max_models: int | None = Field(None, ge=0)  # defaults for tenants without their own (tenants set-quota)
+    quota_max_resident_adapters: int | None = Field(None, gt=0)
+    quota_tokens_per_minute: int | None = Field(None, gt=0)
+    quota_max_concurrent_requests: int | None = Field(None, gt=0)
+    quota_cache_seconds: float = Field(5.0, ge=0)  # a changed quota applies within this many seconds
+
     @field_validator("data_dir")
     @classmethod
     def _absolute(cls, v: Path) -> Path:

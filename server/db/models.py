@@ -151,3 +151,15 @@ class AutoPushRow(Base):
     repo_id: Mapped[str] = mapped_column(String(256))
     private: Mapped[bool] = mapped_column(Boolean, default=True)
     push_id: Mapped[str | None] = mapped_column(String(64), nullable=True)  # set once triggered
+
+
+class TenantQuotaRow(Base):
+    """A tenant's limits (server/services/quotas.py); NULL means the server's default (server/config.py quota_*)."""
+
+    __tablename__ = "tenant_quotas"
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), primary_key=True)
+    max_models: Mapped[int | None] = mapped_column(Integer, nullable=True)  # live training runs
+    max_resident_adapters: Mapped[int | None] = mapped_column(Integer, nullable=True)  # on the accelerator at once
+    tokens_per_minute: Mapped[int | None] = mapped_column(Integer, nullable=True)  # training + sampling tokens
+    max_concurrent_requests: Mapped[int | None] = mapped_column(Integer, nullable=True)  # queued or running
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

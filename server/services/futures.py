@@ -17,6 +17,7 @@ from api_schemas.tinker.types import FutureError, TryAgain
 from server.errors import NotFound
 from server.services import checkpoints as ckpt
 from server.services.context import Context
+from server.services.quotas import QuotaQueue
 
 _SAVE_RESULTS = {"SaveWeightsResponse", "SaveWeightsForSamplerResponse", "SaveWeightsExternalResponse"}
 
@@ -33,7 +34,9 @@ async def retrieve(ctx: Context, tenant_id: str, request_id: str) -> FutureAnswe
         raise NotFound(f"future {request_id} not found (unknown, expired, or not yours)")
     result = await ctx.queue.wait_result(request_id, ctx.settings.long_poll_seconds)
     if result is None:
-        return _json(TryAgain(request_id=request_id).model_dump(exclude_none=True))
+        reason = ctx.queue.paused_reason(request_id) if isinstance(ctx.queue, QuotaQueue) else None
+        state = {"queue_state": "paused_rate_limit", "queue_state_reason": reason} if reason is not None else {}
+        return _json(TryAgain(request_id=request_id, **state).model_dump(exclude_none=True))
     if info.result_type in _SAVE_RESULTS:
         size = json.loads(result.body).get("size_bytes") if result.ok else None
         await ckpt.record_result(ctx, request_id, result.ok, size)

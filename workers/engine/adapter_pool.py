@@ -112,8 +112,13 @@ class AdapterPool:
             self.pager.forget(adapter)
 
     def accumulate(self, adapter: Adapter, grads: tuple[torch.Tensor, ...]) -> None:
+        """Add a pass's gradients (fresh tensors the caller hands over) to the adapter's accumulated ones."""
+        held = [i for i, g in enumerate(adapter.grads) if g is not None]
+        if held:  # one fused add for every buffer that already holds a gradient
+            torch._foreach_add_([adapter.grads[i] for i in held], [grads[i].detach() for i in held])  # type: ignore[misc]
         for i, g in enumerate(grads):
-            adapter.grads[i] = g.detach().clone() if adapter.grads[i] is None else adapter.grads[i] + g
+            if adapter.grads[i] is None:
+                adapter.grads[i] = g.detach()
 
     # --- checkpoint I/O: PEFT adapter folder, plus optimizer state for training checkpoints ---
 

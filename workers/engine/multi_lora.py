@@ -68,38 +68,50 @@ class LoraLinear(nn.Module):
             d.pop(adapter_id, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
+        y = self.base(x)  # a fresh tensor nothing saves for backward: the LoRA term is added in place
         routes = current_routes()
-        active = [r for r in routes if r.adapter_id is not None and r.adapter_id in self.lora_A]
-        if not active:
+        if not any(r.adapter_id is not None and r.adapter_id in self.lora_A for r in routes):
             return y
         if len(routes) == 1 and routes[0].start == 0 and routes[0].stop >= x.shape[0]:
             aid = routes[0].adapter_id
-            return y + (x @ self.lora_A[aid].t() @ self.lora_B[aid].t()) * self.scale[aid]
-        return y + self._routed_delta(x, routes)
+            return y.add_((x @ self.lora_A[aid].t() @ self.lora_B[aid].t()) * self.scale[aid])
+        return y.add_(self._routed_delta(x, routes))
 
     def _routed_delta(self, x: torch.Tensor, routes: tuple[Route, ...]) -> torch.Tensor:
         """The LoRA term of every row through its route's adapter, in two batched matmuls whatever the number of
-        routes: each route's A and B are zero-padded to the largest rank (padding adds exact zeros) and gathered
-        per row. Rows of no route, of no adapter or of an adapter that does not target this layer get zero."""
-        ids = [r.adapter_id if r.adapter_id in self.lora_A else None for r in routes]
-        used = sorted({a for a in ids if a is not None}, key=ids.index)
-        rank = max(self.lora_A[a].shape[0] for a in used)
+        routes: the adapters' A and B are zero-padded to the largest rank (padding adds exact zeros), stacked and
+        gathered per row. Rows of no route, of no adapter or of an adapter that does not target this layer get
+        zero. The per-row index is computed once per routing and shared by every layer (no host sync per layer)."""
+        adapters, index = _row_index(routes, x.shape[0], x.device)
+        present = [a for a in adapters if a in self.lora_A]
+        rank = max(self.lora_A[a].shape[0] for a in present)
         w = self.base.weight
         zeros_a = torch.zeros(rank, self.base.in_features, dtype=w.dtype, device=w.device)
         zeros_b = torch.zeros(self.base.out_features, rank, dtype=w.dtype, device=w.device)
-        stack_a = torch.stack([zeros_a] + [_pad_rows(self.lora_A[a], rank) for a in used])
-        stack_b = torch.stack([zeros_b] + [_pad_cols(self.lora_B[a] * self.scale[a], rank) for a in used])
-        slot = {a: i + 1 for i, a in enumerate(used)}
-        per_row = [0] * x.shape[0]
-        for r, a in zip(routes, ids):
-            if a is not None:
-                per_row[r.start : r.stop] = [slot[a]] * (min(r.stop, x.shape[0]) - r.start)
-        index = torch.tensor(per_row, device=x.device)
+        stack_a = torch.stack([zeros_a] + [
+            _pad_rows(self.lora_A[a], rank) if a in self.lora_A else zeros_a for a in adapters])
+        stack_b = torch.stack([zeros_b] + [
+            _pad_cols(self.lora_B[a] * self.scale[a], rank) if a in self.lora_A else zeros_b for a in adapters])
         rows = x if x.dim() == 3 else x.unsqueeze(1)
         h = torch.bmm(rows, stack_a.index_select(0, index).transpose(1, 2))
         delta = torch.bmm(h, stack_b.index_select(0, index).transpose(1, 2))
         return delta if x.dim() == 3 else delta.squeeze(1)
+
+
+def _row_index(routes: tuple[Route, ...], n_rows: int, device: torch.device) -> tuple[list[str], torch.Tensor]:
+    """The distinct adapters of the routing and, per row, 1 + the position of its adapter among them (0: none)."""
+    cache: dict[tuple[int, torch.device], tuple[list[str], torch.Tensor]] = getattr(_routing, "index", {})
+    hit = cache.get((n_rows, device))
+    if hit is not None:
+        return hit
+    adapters = list(dict.fromkeys(r.adapter_id for r in routes if r.adapter_id is not None))
+    slot = {a: i + 1 for i, a in enumerate(adapters)}
+    per_row = [0] * n_rows
+    for r in routes:
+        if r.adapter_id is not None and r.start < n_rows:
+            per_row[r.start : min(r.stop, n_rows)] = [slot[r.adapter_id]] * (min(r.stop, n_rows) - r.start)
+    hit = cache[(n_rows, device)] = (adapters, torch.tensor(per_row, device=device))
+    return hit
 
 
 def _pad_rows(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -141,9 +153,9 @@ def routed(layers: dict[str, LoraLinear], routes: list[Route]) -> Iterator[None]
     `layers` names the model being routed; the routing itself is thread-local, so concurrent forwards on other
     threads (the sampler's, the trainer's) keep their own."""
     del layers  # every LoraLinear reads the thread's routing; kept in the signature for the callers' clarity
-    previous = current_routes()
-    _routing.routes = tuple(routes)
+    previous = current_routes(), getattr(_routing, "index", {})
+    _routing.routes, _routing.index = tuple(routes), {}
     try:
         yield
     finally:
-        _routing.routes = previous
+        _routing.routes, _routing.index = previous

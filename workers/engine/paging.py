@@ -19,7 +19,10 @@ import json
 import logging
 import os
 import re
+import shutil
+import tempfile
 import uuid
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable
@@ -116,6 +119,7 @@ class Pager:
         self.layers = layers
         self.device = device
         self._clock = 0
+        self._own_dir: Path | None = None
 
     def touch(self, adapter: Adapter) -> None:
         self._clock += 1
@@ -139,9 +143,17 @@ class Pager:
         adapter.tier = HOST
 
     def to_disk(self, adapter: Adapter) -> None:
-        assert self.config.spill_dir is not None
-        adapter.spill_path = write_spill(adapter, self.config.spill_dir)
+        adapter.spill_path = write_spill(adapter, self._spill_dir())
         adapter.tier = DISK
+
+    def _spill_dir(self) -> Path:
+        """This process's own folder under spill_dir (removed when the pager goes): spills never outlive it."""
+        if self._own_dir is None:
+            assert self.config.spill_dir is not None
+            self.config.spill_dir.mkdir(parents=True, exist_ok=True)
+            self._own_dir = Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=self.config.spill_dir))
+            weakref.finalize(self, shutil.rmtree, self._own_dir, True)
+        return self._own_dir
 
     def enforce(self, adapters: Iterable[Adapter]) -> None:
         """Page out least recently used unpinned adapters until every budget holds (or nothing can move)."""

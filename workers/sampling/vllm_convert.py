@@ -6,7 +6,8 @@ contract of workers/sampling/base.py:
   engine is configured for; `logprobs=k` asks for the sampled token plus the top k;
 - EOS is handled here, not by vLLM (`ignore_eos`), so `stop_at_eos` and generation_config's end-of-turn ids behave
   exactly as in the torch sampler; stop tokens stay in the returned tokens;
-- stop strings are matched on text decoded with special tokens, and the tokens that spelled them are kept.
+- stop strings are matched on text decoded with special tokens, and the tokens that spelled them are kept; vLLM
+  stops generating, then the torch sampler's own rule (select.StopRule) picks the exact last token.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from vllm.sampling_params import RequestOutputKind
 
 from api_schemas.jobs import Sample
 from workers.sampling.base import TOPK_EMPTY_LOGPROB, SampleOutput, SequenceOut
+from workers.sampling.select import Detokenizer, StopRule
 
 
 def sampling_params(spec: Sample, eos: Sequence[int], max_model_len: int) -> SamplingParams:
@@ -50,11 +52,14 @@ def sampling_params(spec: Sample, eos: Sequence[int], max_model_len: int) -> Sam
     )
 
 
-def sample_output(spec: Sample, out: Any) -> SampleOutput:
-    """A finished vLLM RequestOutput as the backend-neutral SampleOutput."""
+def sample_output(spec: Sample, out: Any, detok: Detokenizer | None = None) -> SampleOutput:
+    """A finished vLLM RequestOutput as the backend-neutral SampleOutput (`detok`: needed for stop strings)."""
     result = SampleOutput(prompt_cache_hit_tokens=int(getattr(out, "num_cached_tokens", 0) or 0))
     for completion in sorted(out.outputs, key=lambda c: c.index):
-        result.sequences.append(_sequence(completion, spec.topk_sample_logprobs))
+        seq = _sequence(completion, spec.topk_sample_logprobs)
+        if spec.params.stop_strings and detok is not None:
+            _cut_at_stop_string(seq, spec, detok)
+        result.sequences.append(seq)
     if _greedy(spec):
         result.sequences = [copy.deepcopy(result.sequences[0]) for _ in range(spec.num_samples)]
     if len(result.sequences) != spec.num_samples:
@@ -62,6 +67,22 @@ def sample_output(spec: Sample, out: Any) -> SampleOutput:
     if spec.prompt_logprobs or spec.topk_prompt_logprobs > 0:
         _prompt_scores(spec, out.prompt_logprobs, result)
     return result
+
+
+def _cut_at_stop_string(seq: SequenceOut, spec: Sample, detok: Detokenizer) -> None:
+    """End `seq` at the first token whose decoded tail holds a stop string, as the torch sampler's rule does.
+
+    vLLM's incremental detokenizer holds back the bytes of an unfinished UTF-8 character, so a stop string that
+    contains U+FFFD (how the full decode shows such bytes) is seen a token later there, never earlier.
+    """
+    rule = StopRule(frozenset(), spec.params.stop_strings, spec.params.max_tokens)
+    for end in range(1, len(seq.tokens) + 1):
+        if rule.hit(seq.tokens[:end], detok):
+            if end < len(seq.tokens) or seq.stop_reason == "length":
+                seq.tokens, seq.logprobs, seq.stop_reason = seq.tokens[:end], seq.logprobs[:end], "stop"
+                if seq.topk_ids is not None and seq.topk_logprobs is not None:
+                    seq.topk_ids, seq.topk_logprobs = seq.topk_ids[:end], seq.topk_logprobs[:end]
+            return
 
 
 def _greedy(spec: Sample) -> bool:

@@ -29,6 +29,7 @@ from typing import Any
 from api_schemas.jobs import Sample, WeightsRef
 from workers.checkpoints.store import CheckpointStore
 from workers.sampling.base import SamplerBackend, SamplerConfig, SamplerUserError, encode_sample_response, eos_token_ids
+from workers.sampling.select import Detokenizer
 
 _ALLOWED_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's max_lora_rank choices
 _ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
@@ -63,7 +64,7 @@ class VllmSampler(SamplerBackend):
         self.hidden_size = int(model_config["hidden_size"])
         self.max_model_len = config.max_context or int(model_config.get("max_position_embeddings", 2048))
         self.eos = eos_token_ids(config.model_folder)
-        self.has_tokenizer = (config.model_folder / "tokenizer.json").exists()
+        self._detok = Detokenizer(config.model_folder)
         self._engine: Any = None
         self._workdir: Path | None = None
         self._ids = itertools.count(1)  # LoRA int ids: fresh for every weight version, never reused
@@ -131,7 +132,7 @@ class VllmSampler(SamplerBackend):
                 final = out
             if final is None or not final.finished:
                 raise RuntimeError("vLLM ended the request without a final output")
-            return encode_sample_response(sample_output(spec, final))
+            return encode_sample_response(sample_output(spec, final, self._detok))
         finally:
             self._release(version)
 
@@ -147,7 +148,7 @@ class VllmSampler(SamplerBackend):
             raise SamplerUserError("max_tokens and num_samples must be at least 1")
         if max(spec.topk_prompt_logprobs, spec.topk_sample_logprobs) > self.max_logprobs:
             raise SamplerUserError(f"this sampler returns at most {self.max_logprobs} top-k logprobs")
-        if spec.params.stop_strings and not self.has_tokenizer:
+        if spec.params.stop_strings and not self._detok.available:
             raise SamplerUserError("this model has no tokenizer.json, so stop strings are not supported")
 
     # --- weight versions ---

@@ -1,0 +1,111 @@
+"""End-to-end training throughput through the stock tinker SDK: aggregate tokens/s of 1, 4 and 16 concurrent
+training clients on ONE `twinkle-server serve` (embedded mode), the server started once for all phases.
+
+Each client (its own ServiceClient, session and LoRA, on its own thread) runs `--steps` SFT steps:
+forward_backward on its batch + optim_step, submitted back to back as the cookbook does, then waits for both.
+Clients wait at a barrier after a warm-up step, so only the timed steps count. Prints one JSON line with the
+tokens/s of each phase and each phase's ratio to one client.
+
+Usage: python benchmarks/sdk_throughput.py [--model tiny|smollm2] [--clients 1,4,16] [--steps 8] [--batch 1x64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+
+from benchmarks.merged_step import model_folder  # noqa: E402
+
+
+def run_phase(base_url: str, key: str, base_model: str, clients: int, steps: int, rows: int, tokens: int,
+              vocab: int, rank: int) -> dict:
+    import tinker
+    from tinker import types
+
+    ready = threading.Barrier(clients + 1)
+    done = threading.Barrier(clients + 1)
+    errors: list[BaseException] = []
+
+    def client(i: int) -> None:
+        try:
+            rng = np.random.default_rng(i)
+            batch = rng.integers(3, vocab, size=(rows, tokens + 1)).tolist()
+            data = [types.Datum(model_input=types.ModelInput.from_ints(b[:-1]),
+                                loss_fn_inputs={"target_tokens": b[1:], "weights": [1.0] * tokens}) for b in batch]
+            with tinker.ServiceClient(base_url=base_url, api_key=key) as sc:
+                tc = sc.create_lora_training_client(base_model=base_model, rank=rank, seed=i)
+
+                def step() -> None:
+                    fb = tc.forward_backward(data, "cross_entropy")
+                    opt = tc.optim_step(types.AdamParams(learning_rate=1e-4))
+                    fb.result()
+                    opt.result()
+
+                step()  # warm-up
+                ready.wait()
+                for _ in range(steps):
+                    step()
+                done.wait()
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+            ready.abort()
+            done.abort()
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(clients)]
+    for t in threads:
+        t.start()
+    ready.wait()
+    start = time.perf_counter()
+    done.wait()
+    wall = time.perf_counter() - start
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    total = clients * steps * rows * tokens
+    return {"clients": clients, "wall_s": round(wall, 3), "tokens_per_s": round(total / wall, 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
+    ap.add_argument("--clients", default="1,4,16")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--batch", default="1x64", help="ROWSxTOKENS per client and step")
+    ap.add_argument("--rank", type=int, default=8)
+    args = ap.parse_args()
+    rows, tokens = (int(x) for x in args.batch.split("x"))
+    from tests.support.server import ServerProcess
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = model_folder(args.model, Path(tmp))
+        vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+        srv = ServerProcess(Path(tmp) / "data", str(folder))
+        key = srv.create_key("bench")
+        srv.start()
+        try:
+            phases = [run_phase(srv.base_url, key, str(folder), int(n), args.steps, rows, tokens, vocab, args.rank)
+                      for n in args.clients.split(",")]
+        finally:
+            srv.stop()
+    one = phases[0]["tokens_per_s"]
+    for p in phases:
+        p["vs_first"] = round(p["tokens_per_s"] / one, 3)
+    print(json.dumps({"benchmark": "sdk_throughput", "model": args.model, "batch_per_client": args.batch,
+                      "steps": args.steps, "rank": args.rank, "phases": phases}))
+
+
+if __name__ == "__main__":
+    main()

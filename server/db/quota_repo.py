@@ -1,0 +1,32 @@
+"""SQL of tenant quotas: the per-tenant limits rows and the live-model count the models limit is checked against."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Sequence
+
+from sqlalchemy import func, select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from server.db.models import ModelRow, SessionRow, TenantQuotaRow, TenantRow
+
+
+async def quota_of(s: AsyncSession, tenant_id: str) -> TenantQuotaRow | None:
+    return await s.get(TenantQuotaRow, tenant_id)
+
+
+async def quotas(s: AsyncSession) -> Sequence[tuple[TenantRow, TenantQuotaRow | None]]:
+    q = select(TenantRow, TenantQuotaRow).outerjoin(TenantQuotaRow, TenantQuotaRow.tenant_id == TenantRow.id)
+    return [(t, r) for t, r in (await s.execute(q.order_by(TenantRow.name))).all()]
+
+
+async def live_models(s: AsyncSession, tenant_id: str, heartbeat_after: datetime, exclude: str = "") -> int:
+    """Training runs of the tenant (other than `exclude`) whose session is neither finished nor timed out."""
+    q = (
+        select(func.count())
+        .select_from(ModelRow)
+        .join(SessionRow, SessionRow.id == ModelRow.session_id)
+        .where(ModelRow.tenant_id == tenant_id, ModelRow.id != exclude, SessionRow.finished_at.is_(None),
+               SessionRow.last_heartbeat_at >= heartbeat_after)
+    )
+    return int((await s.execute(q)).scalar_one())
