@@ -115,3 +115,19 @@ def test_evicted_versions_reload_unless_overwritten(engine: EngineHarness, vllm_
     save_adapter(engine.store, vllm_model_dir, weights.storage_key, 99)
     with pytest.raises(SamplerUserError, match="overwritten"):
         engine.run(engine.sampler.sample(spec(weights, max_tokens=1)))
+
+
+def test_adapter_that_does_not_fit_is_a_user_error_and_the_engine_goes_on(engine: EngineHarness, vllm_model_dir: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    key = "tenant/run/sampler_weights/misfit"
+    folder = save_adapter(engine.store, vllm_model_dir, key, 70)
+    tensors = load_file(str(folder / "adapter_model.safetensors"))
+    name = next(k for k in tensors if k.endswith("q_proj.lora_A.weight"))
+    tensors[name] = torch.zeros(tensors[name].shape[0], tensors[name].shape[1] + 3)  # wrong input width
+    with engine.store.writing(key) as out:
+        save_file(tensors, str(out / "adapter_model.safetensors"))
+        (out / "adapter_config.json").write_text((folder / "adapter_config.json").read_text())
+    with pytest.raises(SamplerUserError, match="cannot load"):
+        engine.run(engine.sampler.sample(spec(WeightsRef(storage_key=key, version="v:misfit"), max_tokens=2)))
+    assert _sample(engine, max_tokens=2).stop_reasons == ["length"]

@@ -70,7 +70,7 @@ class VllmSampler(SamplerBackend):
         self._ids = itertools.count(1)  # LoRA int ids: fresh for every weight version, never reused
         self._zero: Any = None
         self._loras: OrderedDict[str, Any] = OrderedDict()  # version -> LoRARequest, least recently used first
-        self._loading: dict[str, asyncio.Task[Any]] = {}
+        self._loading: dict[str, asyncio.Task[None]] = {}
         self._unloading: set[asyncio.Task[None]] = set()
         self._pins: dict[str, int] = {}
         self._digests: dict[str, str] = {}  # version -> sha256 of the weights it served
@@ -166,7 +166,7 @@ class VllmSampler(SamplerBackend):
                     task = asyncio.ensure_future(self._load(weights))
                     self._loading[version] = task
                     task.add_done_callback(lambda _: self._loading.pop(version, None))
-                self._loras[version] = await asyncio.shield(task)
+                await asyncio.shield(task)  # a cancelled request leaves the load to finish for the next one
             self._loras.move_to_end(version)
             return self._loras[version]
         except BaseException:
@@ -183,7 +183,8 @@ class VllmSampler(SamplerBackend):
             self._pins.pop(version, None)
         self._evict()
 
-    async def _load(self, weights: WeightsRef) -> Any:
+    async def _load(self, weights: WeightsRef) -> None:
+        """Snapshot, check and register one weight version; it joins `_loras` once vLLM has it."""
         try:
             folder = await asyncio.to_thread(self.store.existing, weights.storage_key)  # remote stores download
         except ValueError as e:
@@ -193,10 +194,7 @@ class VllmSampler(SamplerBackend):
         self._check_adapter_config(folder)
         snapshot = await asyncio.to_thread(self._snapshot, folder, weights.version)
         try:
-            return await self._register(weights.version, snapshot)
-        except SamplerUserError:
-            shutil.rmtree(snapshot, ignore_errors=True)
-            raise
+            self._loras[weights.version] = await self._register(weights.version, snapshot)
         except Exception as e:  # vLLM rejects adapters that do not fit the base model with plain exceptions
             shutil.rmtree(snapshot, ignore_errors=True)
             raise SamplerUserError(f"vLLM cannot load these sampler weights: {e}") from e
