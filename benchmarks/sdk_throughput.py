@@ -3,10 +3,13 @@ training clients on ONE `twinkle-server serve` (embedded mode), the server start
 
 Each client (its own ServiceClient, session and LoRA, on its own thread) runs `--steps` SFT steps:
 forward_backward on its batch + optim_step, submitted back to back as the cookbook does, then waits for both.
-Clients wait at a barrier after a warm-up step, so only the timed steps count. Prints one JSON line with the
-tokens/s of each phase and each phase's ratio to one client.
+Clients wait at a barrier after a warm-up step, so only the timed steps count. With `--rounds` > 1 the phases
+run again in reverse order, alternately (1,4,16,16,4,1,...), and each phase reports its median, so a change of
+load on a shared machine hits every phase alike. Prints one JSON line with the tokens/s of each phase and each
+phase's ratio to the first one.
 
 Usage: python benchmarks/sdk_throughput.py [--model tiny|smollm2] [--clients 1,4,16] [--steps 8] [--batch 1x64]
+       [--rounds 2]
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import threading
@@ -45,7 +49,7 @@ def run_phase(base_url: str, key: str, base_model: str, clients: int, steps: int
             data = [types.Datum(model_input=types.ModelInput.from_ints(b[:-1]),
                                 loss_fn_inputs={"target_tokens": b[1:], "weights": [1.0] * tokens}) for b in batch]
             with tinker.ServiceClient(base_url=base_url, api_key=key) as sc:
-                tc = sc.create_lora_training_client(base_model=base_model, rank=rank, seed=i)
+                tc = sc.create_lora_training_client(base_model=base_model, rank=rank, seed=i).result()
 
                 def step() -> None:
                     fb = tc.forward_backward(data, "cross_entropy")
@@ -85,6 +89,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--batch", default="1x64", help="ROWSxTOKENS per client and step")
     ap.add_argument("--rank", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
     rows, tokens = (int(x) for x in args.batch.split("x"))
     from tests.support.server import ServerProcess
@@ -95,16 +100,24 @@ def main() -> None:
         srv = ServerProcess(Path(tmp) / "data", str(folder))
         key = srv.create_key("bench")
         srv.start()
+        counts = [int(n) for n in args.clients.split(",")]
+        runs: dict[int, list[dict]] = {n: [] for n in counts}
         try:
-            phases = [run_phase(srv.base_url, key, str(folder), int(n), args.steps, rows, tokens, vocab, args.rank)
-                      for n in args.clients.split(",")]
+            for r in range(args.rounds):
+                for n in counts if r % 2 == 0 else counts[::-1]:
+                    runs[n].append(run_phase(srv.base_url, key, str(folder), n, args.steps, rows, tokens, vocab,
+                                             args.rank))
         finally:
             srv.stop()
+    phases = []
+    for n in counts:
+        rates = [x["tokens_per_s"] for x in runs[n]]
+        phases.append({"clients": n, "tokens_per_s": round(statistics.median(rates), 1), "runs": rates})
     one = phases[0]["tokens_per_s"]
     for p in phases:
         p["vs_first"] = round(p["tokens_per_s"] / one, 3)
     print(json.dumps({"benchmark": "sdk_throughput", "model": args.model, "batch_per_client": args.batch,
-                      "steps": args.steps, "rank": args.rank, "phases": phases}))
+                      "steps": args.steps, "rank": args.rank, "rounds": args.rounds, "phases": phases}))
 
 
 if __name__ == "__main__":
