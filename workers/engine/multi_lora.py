@@ -74,7 +74,8 @@ class LoraLinear(nn.Module):
             return y
         if len(routes) == 1 and routes[0].start == 0 and routes[0].stop >= x.shape[0]:
             aid = routes[0].adapter_id
-            return y.add_((x @ self.lora_A[aid].t() @ self.lora_B[aid].t()) * self.scale[aid])
+            # scaled at rank width, before B: for lm_head that is (rows, r), not (rows, vocab)
+            return y.add_(((x @ self.lora_A[aid].t()) * self.scale[aid]) @ self.lora_B[aid].t())
         return y.add_(self._routed_delta(x, routes))
 
     def _routed_delta(self, x: torch.Tensor, routes: tuple[Route, ...]) -> torch.Tensor:
