@@ -20,8 +20,8 @@ tenant returning from idle starts at V, never with banked credit.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from api_schemas.jobs import ForwardBackward, Job
 

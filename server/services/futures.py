@@ -35,8 +35,9 @@ async def retrieve(ctx: Context, tenant_id: str, request_id: str) -> FutureAnswe
     result = await ctx.queue.wait_result(request_id, ctx.settings.long_poll_seconds)
     if result is None:
         reason = ctx.queue.paused_reason(request_id) if isinstance(ctx.queue, QuotaQueue) else None
-        state = {"queue_state": "paused_rate_limit", "queue_state_reason": reason} if reason is not None else {}
-        return _json(TryAgain(request_id=request_id, **state).model_dump(exclude_none=True))
+        pending = TryAgain(request_id=request_id) if reason is None else TryAgain(
+            request_id=request_id, queue_state="paused_rate_limit", queue_state_reason=reason)
+        return _json(pending.model_dump(exclude_none=True))
     if info.result_type in _SAVE_RESULTS:
         size = json.loads(result.body).get("size_bytes") if result.ok else None
         await ckpt.record_result(ctx, request_id, result.ok, size)

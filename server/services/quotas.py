@@ -23,9 +23,24 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from api_schemas.jobs import CreateModel, ForwardBackward, Job, JobResult, JobState, LoadWeights, Sample
+from api_schemas.jobs import (
+    CreateModel,
+    ForwardBackward,
+    Job,
+    JobResult,
+    JobState,
+    LoadWeights,
+    Sample,
+)
 from api_schemas.tinker.proto import parse_forward_backward
-from jobqueue.base import DuplicateJobMismatch, FeedPage, JobInfo, JobQueue, RecoveryState, cancelled_result
+from jobqueue.base import (
+    DuplicateJobMismatch,
+    FeedPage,
+    JobInfo,
+    JobQueue,
+    RecoveryState,
+    cancelled_result,
+)
 from server.auth.rate_limits import TokenBucket
 from server.errors import DomainError
 from server.services.tenant_limits import Limits, TenantLimits
@@ -109,10 +124,10 @@ class QuotaQueue(JobQueue):
             return await self._pass(job, dedup_key, feed, tokens, limits)
         fills_gap = job.seq_id < self._passed_seq.get(job.model_id, -1)
         if not fills_gap:
-            reason = "behind this model's earlier requests" if self._lines.get(job.model_id) else None
-            if reason is None:
-                reason = (await self._verdict(job, limits, tokens))[1] or None
-            if reason is not None:
+            reason = "behind this model's earlier requests" if self._lines.get(job.model_id) else ""
+            if not reason:
+                reason = (await self._verdict(job, limits, tokens))[1]
+            if reason:
                 return self._hold(_Held(job, dedup_key, feed, tokens, reason))
         return await self._pass(job, dedup_key, feed, tokens, limits)
 
@@ -138,7 +153,7 @@ class QuotaQueue(JobQueue):
             start = time.monotonic()
             try:
                 await asyncio.wait_for(held.released.wait(), timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return None
             timeout = max(0.0, timeout - (time.monotonic() - start))
         return await self.inner.wait_result(job_id, timeout)
@@ -183,9 +198,9 @@ class QuotaQueue(JobQueue):
             # runs already live, less held creates (their rows exist, they do not run yet), plus this one
             if await self.limits.live_models(tenant, exclude=job.model_id) - others + 1 > limits.max_models:
                 return RECHECK_SECONDS, f"models limit ({limits.max_models} live training runs) reached"
-        if limits.max_concurrent_requests is not None:
-            if await self._inflight(tenant, limits.max_concurrent_requests) >= limits.max_concurrent_requests:
-                return RECHECK_SECONDS, f"{_SLOTS} ({limits.max_concurrent_requests}) reached"
+        slots = limits.max_concurrent_requests
+        if slots is not None and await self._inflight(tenant, slots) >= slots:
+            return RECHECK_SECONDS, f"{_SLOTS} ({slots}) reached"
         if limits.tokens_per_minute is not None and tokens:
             wait = self._bucket(tenant, limits.tokens_per_minute, now).wait(tokens, now)
             if wait > 0:

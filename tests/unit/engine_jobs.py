@@ -8,7 +8,14 @@ import uuid
 import numpy as np
 from tinker.proto import tinker_public_pb2 as pb
 
-from api_schemas.jobs import AdamSpec, CreateModel, ForwardBackward, Job, LoraSpec, OptimStep
+from api_schemas.jobs import (
+    AdamSpec,
+    CreateModel,
+    ForwardBackward,
+    Job,
+    LoraSpec,
+    OptimStep,
+)
 
 ADAM = AdamSpec(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-12, weight_decay=0.01, grad_clip_norm=0.0)
 

@@ -4,8 +4,8 @@ each result is acknowledged on its own, and a failing tenant's job fails alone."
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 

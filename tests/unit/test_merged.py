@@ -141,3 +141,25 @@ def test_same_model_twice_accumulates_in_order(tiny_model_dir: Path, tmp_path: P
     sequential = _grads(t, "a")
     assert all(r.ok for r in _step(t, [j1, j2, fb("b", 3, random_rows(rng, 1, 5, 5))]))
     assert _rel(_grads(t, "a"), sequential) < 1e-12
+
+
+def test_a_failed_merged_pass_reruns_its_jobs_alone(tiny_model_dir: Path, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    t = _trainer(tiny_model_dir, tmp_path, "float64")
+    jobs = _jobs(8)
+    solo = {}
+    for j in jobs:
+        assert t.execute(j).ok
+        solo[j.model_id] = _grads(t, j.model_id)
+    real = t._merged._forward
+
+    def forward_fails_when_merged(items):  # type: ignore[no-untyped-def]
+        if len(items) > 1:
+            raise RuntimeError("out of memory (simulated)")
+        return real(items)
+
+    monkeypatch.setattr(t._merged, "_forward", forward_fails_when_merged)
+    results = _step(t, jobs)
+    assert all(r.ok for r in results), [r.error for r in results]
+    for j in jobs:
+        assert _rel(_grads(t, j.model_id), solo[j.model_id]) < 1e-12  # accumulated exactly once

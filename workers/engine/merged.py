@@ -15,8 +15,8 @@ after the forward, a training job after the backward), so futures complete witho
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch
@@ -90,7 +90,7 @@ class MergedPass:
                 if job.model_id not in self.pool.adapters:
                     raise AdapterError(f"model {job.model_id} is not loaded on this worker")
                 checked.append((job, req))
-            except Exception as e:  # a bad job fails alone, before it can affect the pass
+            except Exception as e:  # noqa: BLE001 - a bad job fails alone, before it can affect the pass
                 on_result(failure(job, e))
         if not checked:
             return
@@ -101,7 +101,7 @@ class MergedPass:
             for it in items:
                 try:
                     out = self._loss(it, logp)
-                except Exception as e:
+                except Exception as e:  # noqa: BLE001 - the job fails, the step goes on
                     on_result(failure(it.job, e))
                     continue
                 if it.forward_only:

@@ -23,9 +23,10 @@ import shutil
 import tempfile
 import uuid
 import weakref
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file, save_file

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -86,7 +86,7 @@ class Trainer:
 
         try:
             self._merged.run(jobs, report)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - a fault of the pass: its open jobs run again alone
             left = [j for j in jobs if j.job_id not in done]
             if len(jobs) == 1 or not left:
                 for job in left:
@@ -102,7 +102,7 @@ class Trainer:
         try:
             media_type, body = self._run(job)
             return JobResult(job_id=job.job_id, media_type=media_type, body=body)
-        except Exception as e:  # a fault must fail only this job, never the worker
+        except Exception as e:  # noqa: BLE001 - a fault must fail only this job, never the worker
             return failure(job, e)
 
     def _run(self, job: Job) -> tuple[str, bytes]:
