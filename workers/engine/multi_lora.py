@@ -12,8 +12,8 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 from torch import nn
