@@ -3,7 +3,8 @@ training clients on ONE `twinkle-server serve` (embedded mode), the server start
 
 Each client (its own ServiceClient, session and LoRA, on its own thread) runs `--steps` SFT steps:
 forward_backward on its batch + optim_step, submitted back to back as the cookbook does, then waits for both.
-Clients wait at a barrier after a warm-up step, so only the timed steps count. With `--rounds` > 1 the phases
+Clients wait at a barrier after a warm-up step, so only the timed steps count. CPU seconds of the server process
+and of the clients' process per client step are reported too (both share the machine's cores). With `--rounds` > 1 the phases
 run again in reverse order, alternately (1,4,16,16,4,1,...), and each phase reports its median, so a change of
 load on a shared machine hits every phase alike. Prints one JSON line with the tokens/s of each phase and each
 phase's ratio to the first one.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -33,8 +35,17 @@ import numpy as np  # noqa: E402
 from benchmarks.merged_step import model_folder  # noqa: E402
 
 
+def cpu_seconds(pid: int | None = None) -> float:
+    """User + system CPU seconds of a process (this one when pid is None), all its threads."""
+    if pid is None:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def run_phase(base_url: str, key: str, base_model: str, clients: int, steps: int, rows: int, tokens: int,
-              vocab: int, rank: int) -> dict:
+              vocab: int, rank: int, server_pid: int | None = None) -> dict:
     import tinker
     from tinker import types
 
@@ -72,14 +83,18 @@ def run_phase(base_url: str, key: str, base_model: str, clients: int, steps: int
         t.start()
     ready.wait()
     start = time.perf_counter()
+    cpu0 = (cpu_seconds(), cpu_seconds(server_pid) if server_pid else 0.0)
     done.wait()
     wall = time.perf_counter() - start
+    cpu1 = (cpu_seconds(), cpu_seconds(server_pid) if server_pid else 0.0)
     for t in threads:
         t.join()
     if errors:
         raise errors[0]
     total = clients * steps * rows * tokens
-    return {"clients": clients, "wall_s": round(wall, 3), "tokens_per_s": round(total / wall, 1)}
+    return {"clients": clients, "wall_s": round(wall, 3), "tokens_per_s": round(total / wall, 1),
+            "client_cpu_ms_per_step": round(1000 * (cpu1[0] - cpu0[0]) / (clients * steps), 1),
+            "server_cpu_ms_per_step": round(1000 * (cpu1[1] - cpu0[1]) / (clients * steps), 1)}
 
 
 def main() -> None:
@@ -90,6 +105,8 @@ def main() -> None:
     ap.add_argument("--batch", default="1x64", help="ROWSxTOKENS per client and step")
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--server-threads", type=int, default=0,
+                    help="torch threads of the server process (OMP_NUM_THREADS; 0: torch's default)")
     args = ap.parse_args()
     rows, tokens = (int(x) for x in args.batch.split("x"))
     from tests.support.server import ServerProcess
@@ -97,7 +114,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = model_folder(args.model, Path(tmp))
         vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
-        srv = ServerProcess(Path(tmp) / "data", str(folder))
+        env = {"OMP_NUM_THREADS": str(args.server_threads)} if args.server_threads else None
+        srv = ServerProcess(Path(tmp) / "data", str(folder), env=env)
         key = srv.create_key("bench")
         srv.start()
         counts = [int(n) for n in args.clients.split(",")]
@@ -106,18 +124,20 @@ def main() -> None:
             for r in range(args.rounds):
                 for n in counts if r % 2 == 0 else counts[::-1]:
                     runs[n].append(run_phase(srv.base_url, key, str(folder), n, args.steps, rows, tokens, vocab,
-                                             args.rank))
+                                             args.rank, srv.proc.pid if srv.proc else None))
         finally:
             srv.stop()
     phases = []
     for n in counts:
         rates = [x["tokens_per_s"] for x in runs[n]]
-        phases.append({"clients": n, "tokens_per_s": round(statistics.median(rates), 1), "runs": rates})
+        phases.append({"clients": n, "tokens_per_s": round(statistics.median(rates), 1), "runs": rates,
+                       "server_cpu_ms_per_step": statistics.median(x["server_cpu_ms_per_step"] for x in runs[n]),
+                       "client_cpu_ms_per_step": statistics.median(x["client_cpu_ms_per_step"] for x in runs[n])})
     one = phases[0]["tokens_per_s"]
     for p in phases:
         p["vs_first"] = round(p["tokens_per_s"] / one, 3)
     print(json.dumps({"benchmark": "sdk_throughput", "model": args.model, "batch_per_client": args.batch,
-                      "steps": args.steps, "rank": args.rank, "rounds": args.rounds, "phases": phases}))
+                      "steps": args.steps, "rank": args.rank, "rounds": args.rounds, "server_threads": args.server_threads or "default", "phases": phases}))
 
 
 if __name__ == "__main__":
