@@ -98,10 +98,15 @@ class _Replica:
             if any(t.done() for t in self.tasks if t is not asyncio.current_task()):
                 return  # a loop died: stop claiming to be alive (check_health fails too)
             try:
-                await self.heartbeats.beat(self.deployment, self.replica, os.getpid(), self.node, ttl, self.info)
+                await self.heartbeats.beat(self.deployment, self.replica, os.getpid(), self.node, ttl,
+                                           self.beat_info())
             except Exception:
                 log.warning("heartbeat of %s failed", self.deployment, exc_info=True)
             await asyncio.sleep(self.opts.heartbeat_seconds)
+
+    def beat_info(self) -> dict[str, object]:
+        """What the heartbeat tells `/readyz` and operators about this replica."""
+        return dict(self.info)
 
     async def check_health(self) -> None:
         """Serve calls this periodically; raising makes Serve replace the replica."""
@@ -126,12 +131,6 @@ class _Replica:
             await self.queue.close()
 
 
-def _torch_threads() -> None:
-    import torch
-
-    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1") or 1)))
-
-
 def _store(opts: WorkerOptions):  # type: ignore[no-untyped-def]
     from workers.checkpoints.store import CheckpointStore
 
@@ -149,7 +148,9 @@ def _load_base(model: ModelOptions, opts: WorkerOptions):  # type: ignore[no-unt
     from workers.engine.base_model import BaseModel as Base
     from workers.engine.model_assets import tokenizer_id_for
 
-    _torch_threads()
+    import torch
+
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1") or 1)))  # Ray sets it from num_cpus
     folder = _folder(model, opts)
     base = Base(model.name, folder, dtype=model.dtype, device=model.device)
     cfg = json.loads((folder / "config.json").read_text())
@@ -184,6 +185,7 @@ class SamplerDeployment(_Replica):
         from workers.sampling.worker import SamplerWorker
 
         await self._start(opts, {"kind": "sampler", "base_model": model.name})
+        self.recent: dict[str, None] = {}  # sampling sessions served lately (insertion-ordered)
         if model.sampler == "torch":  # the torch sampler runs on a base model this replica loads once
             _, base, store = await asyncio.to_thread(_load_base, model, opts)
             folder = base.folder
@@ -201,7 +203,14 @@ class SamplerDeployment(_Replica):
         log.info("sampler of %s ready (pid %d)", model.name, os.getpid())
 
     async def execute(self, job: Job) -> JobResult:
+        self.recent.pop(job.model_id, None)  # most recent last: which sessions this replica serves
+        self.recent[job.model_id] = None
+        while len(self.recent) > 64:
+            self.recent.pop(next(iter(self.recent)))
         return await self.worker.execute(job)
+
+    def beat_info(self) -> dict[str, object]:
+        return {**self.info, "sessions": list(self.recent)}
 
     async def __del__(self) -> None:
         await self.backend.close()

@@ -24,16 +24,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ["RAY_AUTH_MODE"] = "disabled"  # the same as the test cluster's nodes (tests/support/ray_cluster.py)
 
 import httpx
 
 from tests.support.ray_cluster import RayCluster
-from tests.support.ray_sdk import Gateway, heartbeats, sdk_flow, weights_survive_kill
+from tests.support.ray_sdk import Gateway, heartbeats, sdk_flow, session_affinity, weights_survive_kill
 from tests.support.redis_server import RedisServer
 from tests.support.tiny_model import build_tiny_model
 
 SCENARIOS = {
-    # one node, 2 CPUs: trainer 1, sampler 0.6, router and pusher 0.1 each
+    # one node, 2 CPUs: trainer 0.5, two sampler replicas 0.5 each, router and pusher 0.1 each
     "single": {"head": (2, {"trainer_node": 1, "sampler_node": 1}), "node": None},
     # the trainer on the head, the sampler on a second node: pinned by custom resources
     "two-node": {"head": (1, {"trainer_node": 1}), "node": (1, {"sampler_node": 1})},
@@ -41,14 +42,16 @@ SCENARIOS = {
 
 
 def app_config(model_dir: Path, scenario: str) -> dict:
-    cpus = 0.6 if scenario == "single" else 0.7
+    cpus = 0.5 if scenario == "single" else 0.7
+    sampler_replicas = 2 if scenario == "single" else 1  # two replicas: sessions must stick to one of them
     fast = {"health_check_period_s": 1, "health_check_timeout_s": 10, "graceful_shutdown_timeout_s": 2}
     return {
         "app_name": "twinkle-test",
         "models": [{
             "name": str(model_dir), "dtype": "float32", "device": "cpu",
             "trainer": {"num_cpus": cpus, "resources": {"trainer_node": 0.5}, **fast},
-            "sampler": {"backend": "torch", "replicas": 1, "num_cpus": cpus, "resources": {"sampler_node": 0.5},
+            "sampler": {"backend": "torch", "replicas": sampler_replicas, "num_cpus": cpus,
+                        "resources": {"sampler_node": 0.25},
                         "max_ongoing_requests": 16, **fast},
             "router": {"num_cpus": 0.1},
         }],
@@ -87,6 +90,7 @@ def run(scenario: str, work: Path) -> list[dict]:
         if scenario == "two-node":
             results.append(placement(cluster, beats))
         if scenario == "single":
+            results.append(session_affinity(gateway, redis.url, "raytest", str(model_dir)))
             results.append(weights_survive_kill(gateway, redis.url, "raytest", str(model_dir), cluster))
     except Exception as e:  # noqa: BLE001 - reported as a failed check with the logs
         import traceback

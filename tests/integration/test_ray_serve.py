@@ -1,7 +1,8 @@
 """The Ray backend end to end, each scenario in a loopback-only network namespace of its own (unshare -n): a local
 Ray cluster (2 CPUs, no dashboard), a test-owned Redis, `twinkle-server serve --backend ray` with the tiny model, and
 the stock tinker SDK. tests/integration/ray_flow.py does the work and prints one RESULT line per check:
-- single node: `/readyz` turns ready, SFT + sampling pass; the trainer replica is SIGKILLed mid-run, Serve replaces
+- single node: `/readyz` turns ready, SFT + sampling pass, each of several sampling sessions is served by one of
+  the two sampler replicas only; the trainer replica is SIGKILLed mid-run, Serve replaces
   it, and the final weights and optimizer state equal an uninterrupted run's (snapshot + replay);
 - two nodes (a second `ray start` in the same namespace): the trainer on the head, the sampler on the other node
   (custom resources), and the flow still passes.
@@ -57,7 +58,9 @@ def run_scenario(scenario: str, work: Path, timeout: float = 1100) -> tuple[dict
 @pytest.fixture(scope="module")
 def single(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     checks, _, seconds = run_scenario("single", tmp_path_factory.mktemp("ray-single"))
-    print(f"single-node scenario: {seconds:.0f}s; " + json.dumps({k: v.get("seconds") for k, v in checks.items()}))
+    print(f"single-node scenario: {seconds:.0f}s")
+    for check in checks.values():
+        print(json.dumps({k: v for k, v in check.items() if k not in ("readyz", "trace")}))
     return checks
 
 
@@ -71,6 +74,14 @@ def test_ray_deployments_ready_and_sdk_flow(single: dict[str, dict]) -> None:
     flow = single["sdk_flow"]
     assert flow["ok"], flow
     assert flow["loss_last"] < flow["loss_first"] * 0.9
+
+
+def test_ray_sampling_session_sticks_to_one_of_two_sampler_replicas(single: dict[str, dict]) -> None:
+    assert "error" not in single, single.get("error")
+    affinity = single["session_affinity"]
+    assert affinity["replicas"] == 2, affinity
+    assert all(n > 0 for n in affinity["per_replica"].values()), affinity  # sessions spread over both
+    assert affinity["ok"], affinity  # and no session was served by both replicas
 
 
 def test_ray_trainer_replica_killed_run_completes_with_same_weights(single: dict[str, dict]) -> None:

@@ -34,9 +34,11 @@ class RayCluster:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.nodes: list[subprocess.Popen[bytes]] = []
-        # a machine shared with other test runs can be slow: give the raylet time to register
+        # A machine shared with other test runs can be slow: give the raylet time to register. Token auth is off
+        # explicitly (the cluster lives in a loopback-only namespace); otherwise a ~/.ray/auth_token left by some
+        # local `ray.init()` turns it on for the nodes but not for every client.
         self.env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
-                    "RAY_raylet_start_wait_time_s": "180"}
+                    "RAY_raylet_start_wait_time_s": "180", "RAY_AUTH_MODE": "disabled"}
 
     def _start(self, args: list[str], name: str) -> None:
         log = open(self.log_dir / f"ray-{name}.log", "ab")

@@ -79,7 +79,8 @@ def heartbeats(redis_url: str, prefix: str) -> dict[str, list[dict[str, Any]]]:
         client = aioredis.Redis.from_url(redis_url)
         try:
             status = await Heartbeats(client, Keys(prefix)).status()
-            return {d.name: [{"pid": b.pid, "node": b.node, "replica": b.replica} for b in d.live] for d in status}
+            return {d.name: [{"pid": b.pid, "node": b.node, "replica": b.replica, "info": b.info} for b in d.live]
+                    for d in status}
         finally:
             await client.aclose()
 
@@ -180,3 +181,34 @@ def weights_survive_kill(gw: Gateway, redis_url: str, prefix: str, model: str, c
     return {"check": "trainer_kill", "ok": ok, "max_abs_diff": worst, "old_pid": old_pid, "new_pids": new_pids,
             "rebuilt_logged": rebuilt, "run_with_kill_s": round(recovered_s, 1), "ready_after_s": round(ready, 1),
             "seconds": round(time.monotonic() - t0, 1)}
+
+
+def _sampler_replicas(redis_url: str, prefix: str) -> list[dict[str, Any]]:
+    return [b for name, bs in heartbeats(redis_url, prefix).items() if name.startswith("sampler-") for b in bs]
+
+
+def session_affinity(gw: Gateway, redis_url: str, prefix: str, model: str, sessions: int = 12) -> dict[str, Any]:
+    """Many sampling sessions, several requests each, over two sampler replicas: every session is served by exactly
+    one replica, and the sessions are spread over both."""
+    import tinker
+    from tinker import types
+
+    t0 = time.monotonic()
+    while len(_sampler_replicas(redis_url, prefix)) < 2 and time.monotonic() - t0 < 120:
+        time.sleep(1)  # /readyz needs one live replica per deployment; this check needs both
+    time.sleep(3)  # the router's handle learns of a new replica within moments of it starting
+    prompt = types.ModelInput.from_ints(batch(1)[0].model_input.to_ints()[:4])
+    with tinker.ServiceClient(base_url=gw.base_url, api_key=gw.api_key) as sc:
+        clients = [sc.create_sampling_client(base_model=model) for _ in range(sessions)]
+        for _ in range(3):
+            futures = [c.sample(prompt, num_samples=1, sampling_params=types.SamplingParams(max_tokens=2, seed=i))
+                       for i, c in enumerate(clients)]
+            assert all(len(f.result().sequences) == 1 for f in futures)
+    time.sleep(2.5)  # one heartbeat period: the replicas report what they served
+    replicas = _sampler_replicas(redis_url, prefix)
+    served = {b["replica"]: set(b["info"].get("sessions", [])) for b in replicas}
+    seen = [s for ss in served.values() for s in ss]
+    ok = (len(replicas) == 2 and len(seen) == len(set(seen)) and len(set(seen)) >= sessions
+          and all(served.values()))  # 12 sessions all on one replica by chance: p = 2 ** -11
+    return {"check": "session_affinity", "ok": ok, "replicas": len(replicas), "sessions_seen": len(set(seen)),
+            "per_replica": {r: len(ss) for r, ss in served.items()}, "seconds": round(time.monotonic() - t0, 1)}
