@@ -15,6 +15,11 @@ Prints one JSON line.
 
     python benchmarks/gpu_mfu.py --device cuda                      # 0.6b and 4b, 1 and 8 tenants, bf16
     python benchmarks/gpu_mfu.py --device cpu --shapes tiny --dtype float32 --tokens-per-step 256 --seq-len 32
+
+On a GPU machine without a package index (torch and transformers there, not the tinker SDK, pydantic or
+zstandard): run `scripts/gpu_wheels.sh` here first, carry `.whl`, and start the command with
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl && export PYTHONPATH=/tmp/site || exit;
 """
 
 from __future__ import annotations
