@@ -6,7 +6,8 @@ It starts a test-owned redis-server, a Ray cluster (one node, or two with the tr
 different nodes by custom resources), and `twinkle-server serve --backend ray` with the tiny model; waits for
 `/readyz`; runs the stock tinker SDK's SFT + sampling flow; in the `single` scenario it also SIGKILLs the trainer
 replica mid-run and checks that Serve replaced it and the final weights and optimizer state equal an uninterrupted
-run's. Prints one `RESULT {json}` line per check and exits 1 on any failure (with the logs).
+run's, checks session affinity over two sampler replicas, and pushes a checkpoint through the hub-pusher deployment
+to a fake hub. Prints one `RESULT {json}` line per check and exits 1 on any failure (with the logs).
 """
 
 from __future__ import annotations
@@ -28,11 +29,14 @@ os.environ["RAY_AUTH_MODE"] = "disabled"  # the same as the test cluster's nodes
 
 import httpx
 
+from tests.integration.fake_hub import FakeHub
 from tests.support.ray_cluster import RayCluster
-from tests.support.ray_sdk import Gateway, heartbeats, sdk_flow, session_affinity, weights_survive_kill
+from tests.support.ray_sdk import Gateway, heartbeats, hub_push, sdk_flow, session_affinity, weights_survive_kill
 from tests.support.redis_server import RedisServer
 from tests.support.tiny_model import build_tiny_model
 
+HUB_TOKEN = "hf_ray_test_token_123"
+SECRET = "ray-test-secret-0123456789"
 SCENARIOS = {
     # one node, 2 CPUs: trainer 0.5, two sampler replicas 0.5 each, router and pusher 0.1 each
     "single": {"head": (2, {"trainer_node": 1, "sampler_node": 1}), "node": None},
@@ -68,6 +72,9 @@ def run(scenario: str, work: Path) -> list[dict]:
     work.mkdir(parents=True, exist_ok=True)
     model_dir = build_tiny_model(work / "model")
     redis = RedisServer(work / "redis").start()
+    hub = FakeHub({HUB_TOKEN}).__enter__()  # a stand-in Hugging Face Hub on loopback, for the pusher deployment
+    # the Ray nodes' environment: the pusher may reach the hub, and shares the gateway's secret (it unseals tokens)
+    os.environ.update({"HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_XET": "1", "TWINKLE_SIGNING_SECRET": SECRET})
     cluster = RayCluster(work)
     gateway: Gateway | None = None
     try:
@@ -79,17 +86,18 @@ def run(scenario: str, work: Path) -> list[dict]:
         cfg = work / "ray-app.yaml"
         cfg.write_text(yaml.safe_dump(app_config(model_dir, scenario)))
         env = {"TWINKLE_REDIS_URL": redis.url, "TWINKLE_REDIS_PREFIX": "raytest", "TWINKLE_LONG_POLL_SECONDS": "10",
-               "TWINKLE_SIGNING_SECRET": "ray-test-secret-0123456789", **cluster.env}
+               "TWINKLE_HF_ENDPOINT": hub.url, **cluster.env}
         gateway = Gateway(work / "data", cfg, cluster.address, env)
         gateway.start()
         ready_s = gateway.wait_ready(timeout=420, alive=cluster.check)
         results.append({"check": "ready", "ok": True, "seconds": round(ready_s, 1),
                         "readyz": httpx.get(f"{gateway.base_url}/readyz").json()})
         beats = heartbeats(redis.url, "raytest")
-        results.append(sdk_flow(gateway, str(model_dir)))
+        results.append(flow := sdk_flow(gateway, str(model_dir)))
         if scenario == "two-node":
             results.append(placement(cluster, beats))
         if scenario == "single":
+            results.append(hub_push(gateway, hub, HUB_TOKEN, flow["path"]))
             results.append(session_affinity(gateway, redis.url, "raytest", str(model_dir)))
             results.append(weights_survive_kill(gateway, redis.url, "raytest", str(model_dir), cluster))
     except Exception as e:  # noqa: BLE001 - reported as a failed check with the logs
@@ -106,6 +114,7 @@ def run(scenario: str, work: Path) -> list[dict]:
             gateway.stop()
         cluster.stop()
         redis.stop()
+        hub.__exit__(None, None, None)
     results.append({"check": "total", "ok": True, "seconds": round(time.monotonic() - t0, 1)})
     return results
 

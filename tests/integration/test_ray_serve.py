@@ -2,7 +2,7 @@
 Ray cluster (2 CPUs, no dashboard), a test-owned Redis, `twinkle-server serve --backend ray` with the tiny model, and
 the stock tinker SDK. tests/integration/ray_flow.py does the work and prints one RESULT line per check:
 - single node: `/readyz` turns ready, SFT + sampling pass, each of several sampling sessions is served by one of
-  the two sampler replicas only; the trainer replica is SIGKILLed mid-run, Serve replaces
+  the two sampler replicas only, a hub push runs on the pusher deployment (to a fake hub); the trainer replica is SIGKILLed mid-run, Serve replaces
   it, and the final weights and optimizer state equal an uninterrupted run's (snapshot + replay);
 - two nodes (a second `ray start` in the same namespace): the trainer on the head, the sampler on the other node
   (custom resources), and the flow still passes.
@@ -74,6 +74,13 @@ def test_ray_deployments_ready_and_sdk_flow(single: dict[str, dict]) -> None:
     flow = single["sdk_flow"]
     assert flow["ok"], flow
     assert flow["loss_last"] < flow["loss_first"] * 0.9
+
+
+def test_ray_hub_push_runs_on_the_pusher_deployment(single: dict[str, dict]) -> None:
+    assert "error" not in single, single.get("error")
+    push = single["hub_push"]
+    assert push["status"] == "succeeded", push
+    assert push["ok"], push  # private repo with the adapter files, sent with the tenant's token
 
 
 def test_ray_sampling_session_sticks_to_one_of_two_sampler_replicas(single: dict[str, dict]) -> None:

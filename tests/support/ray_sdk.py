@@ -130,7 +130,7 @@ def sdk_flow(gw: Gateway, model: str) -> dict[str, Any]:
         seqs, base_seqs = tuned.result().sequences, base.result().sequences
     ok = (caps == [model] and losses[-1] < losses[0] * 0.9 and path.endswith("/sampler_weights/ray-e2e")
           and len(seqs) == 2 and all(1 <= len(s.tokens) <= 5 for s in seqs) and len(base_seqs) == 1)
-    return {"check": "sdk_flow", "ok": ok, "seconds": round(time.monotonic() - t0, 1), "models": caps,
+    return {"check": "sdk_flow", "ok": ok, "seconds": round(time.monotonic() - t0, 1), "models": caps, "path": path,
             "loss_first": losses[0], "loss_last": losses[-1], "sampled": [list(s.tokens) for s in seqs]}
 
 
@@ -212,3 +212,25 @@ def session_affinity(gw: Gateway, redis_url: str, prefix: str, model: str, sessi
           and all(served.values()))  # 12 sessions all on one replica by chance: p = 2 ** -11
     return {"check": "session_affinity", "ok": ok, "replicas": len(replicas), "sessions_seen": len(set(seen)),
             "per_replica": {r: len(ss) for r, ss in served.items()}, "seconds": round(time.monotonic() - t0, 1)}
+
+
+def hub_push(gw: Gateway, hub: Any, token: str, tinker_path: str) -> dict[str, Any]:
+    """A hub push through the gateway's native API runs on the hub-pusher deployment (via Redis): the fake hub gets
+    the checkpoint's files in a private repo, with the tenant's token."""
+    t0 = time.monotonic()
+    headers = {"X-API-Key": gw.api_key}
+    with httpx.Client(base_url=f"{gw.base_url}/native/v1", headers=headers, timeout=30) as http:
+        assert http.put("/hub/tokens/huggingface", json={"token": token}).status_code == 200
+        started = http.post("/checkpoints/push", json={"tinker_path": tinker_path, "repo_id": "ray/lora"})
+        assert started.status_code == 202, started.text
+        push_id, body = started.json()["push_id"], started.json()
+        while body["status"] in ("queued", "running") and time.monotonic() - t0 < 120:
+            time.sleep(0.5)
+            body = http.get(f"/pushes/{push_id}").json()
+    repo = hub.repos.get("ray/lora")
+    files = sorted(repo.files) if repo else []
+    ok = (body["status"] == "succeeded" and repo is not None and repo.visibility == "private"
+          and "adapter_model.safetensors" in files and f"Bearer {token}" in hub.seen_auth
+          and token not in gw.log())
+    return {"check": "hub_push", "ok": ok, "status": body["status"], "error": body.get("error"), "files": files,
+            "seconds": round(time.monotonic() - t0, 1)}
