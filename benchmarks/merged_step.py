@@ -2,11 +2,11 @@
 
 One training step per tenant = forward_backward (cross_entropy) + optim_step (`speedup`; `fb_only_speedup` times
 the forward_backward passes alone). Sequential runs each tenant's
-forward_backward alone (how most open servers train); merged runs all of them as one scheduler step
-(Trainer.execute_step). Both run on the same Trainer, interleaved (A B A B ...), and the median of the repeats
+forward_backward alone (how most open servers train); merged lets the worker's scheduler pack them into steps under the engine's token
+budget (one step when they fit) and runs each step as one merged pass (Trainer.execute_step). Both run on the same Trainer, interleaved (A B A B ...), and the median of the repeats
 is reported, so load from other processes hits both sides alike. Prints one JSON line.
 
-Usage: python benchmarks/merged_step.py [--model tiny|smollm2] [--shapes 16x64,16x16,4x512] [--repeats 5]
+Usage: python benchmarks/merged_step.py [--model tiny|smollm2] [--shapes 16x64,16x16,4x512,4x8x512] [--repeats 5]
 A shape is TENANTSxTOKENS (one row per tenant) or TENANTSxROWSxTOKENS.
 """
 
@@ -33,6 +33,7 @@ from tests.unit.engine_jobs import create, fb, optim  # noqa: E402
 from workers.checkpoints.store import CheckpointStore  # noqa: E402
 from workers.engine.base_model import BaseModel  # noqa: E402
 from workers.engine.trainer import Trainer  # noqa: E402
+from workers.scheduler import Scheduler  # noqa: E402
 
 
 def model_folder(name: str, tmp: Path) -> Path:
@@ -52,8 +53,9 @@ def parse_shape(shape: str) -> tuple[int, int, int]:
 
 
 class Bench:
-    def __init__(self, trainer: Trainer, tenants: int, rows: int, tokens: int, vocab: int, rank: int) -> None:
-        self.trainer, self.tenants = trainer, tenants
+    def __init__(self, trainer: Trainer, tenants: int, rows: int, tokens: int, vocab: int, rank: int,
+                 budget: int) -> None:
+        self.trainer, self.tenants, self.budget = trainer, tenants, budget
         self.models = [f"bench-{tenants}x{rows}x{tokens}-{i}" for i in range(tenants)]
         rng = np.random.default_rng(0)
         self.rows = {m: rng.integers(3, vocab, size=(rows, tokens + 1)).tolist() for m in self.models}
@@ -83,7 +85,13 @@ class Bench:
         fbs, opts = self._jobs()
         t = time.perf_counter()
         results: list = []
-        self.trainer.execute_step(fbs, results.append)
+        # what the worker does: the scheduler packs the waiting jobs into steps under the token budget
+        scheduler = Scheduler(gap_timeout=1e9, token_budget=self.budget, measure=self.trainer.measure)
+        for job in fbs:
+            scheduler.resume(job.model_id, job.seq_id)
+            assert scheduler.add(job, now=0) is None
+        while (step := scheduler.next_step(now=0)) is not None:
+            self.trainer.execute_step(list(step.jobs), results.append)
         assert all(r.ok for r in results) and len(results) == len(fbs)
         fb_s = time.perf_counter() - t
         for o in opts:
@@ -91,9 +99,9 @@ class Bench:
         return fb_s, time.perf_counter() - t
 
 
-def run_shape(trainer: Trainer, shape: str, vocab: int, rank: int, repeats: int) -> dict:
+def run_shape(trainer: Trainer, shape: str, vocab: int, rank: int, repeats: int, budget: int) -> dict:
     tenants, rows, tokens = parse_shape(shape)
-    bench = Bench(trainer, tenants, rows, tokens, vocab, rank)
+    bench = Bench(trainer, tenants, rows, tokens, vocab, rank, budget)
     bench.sequential(), bench.merged()  # warm-up
     seq, mer = [], []
     for _ in range(repeats):
@@ -111,19 +119,22 @@ def run_shape(trainer: Trainer, shape: str, vocab: int, rank: int, repeats: int)
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
-    ap.add_argument("--shapes", default="16x64,16x16,4x512")
+    ap.add_argument("--shapes", default="16x64,16x16,4x512,4x8x512")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--token-budget", type=int, default=0, help="padded tokens per merged pass (0: the engine's)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         folder = model_folder(args.model, Path(tmp))
         trainer = Trainer(BaseModel(args.model, folder), CheckpointStore(Path(tmp) / "ckpt"))
-        results = [run_shape(trainer, s, trainer.base.vocab_size, args.rank, args.repeats) for s in args.shapes.split(",")]
+        budget = args.token_budget or trainer.token_budget
+        results = [run_shape(trainer, s, trainer.base.vocab_size, args.rank, args.repeats, budget)
+                   for s in args.shapes.split(",")]
     print(json.dumps({"benchmark": "merged_step", "model": args.model, "rank": args.rank, "repeats": args.repeats,
-                      "torch_threads": torch.get_num_threads(), "results": results}))
+                      "token_budget": budget, "torch_threads": torch.get_num_threads(), "results": results}))
 
 
 if __name__ == "__main__":

@@ -61,7 +61,7 @@ class Settings(BaseSettings):
     hub_push_concurrency: int = Field(2, gt=0)
 
     # multi-tenant engine (workers/scheduler.py, workers/engine/paging.py) and quotas (server/services/quotas.py)
-    train_token_budget: int = Field(16384, gt=0)  # padded tokens (rows x longest row) in one merged training pass
+    train_token_budget: int | None = Field(None, gt=0)  # padded tokens in one merged pass; None: 4096 CPU, 32768 GPU
     adapter_device_budget_bytes: int | None = Field(None, ge=0)  # adapters' state on the device; None: no limit
     adapter_host_budget_bytes: int | None = Field(None, ge=0)  # paged-out adapters in host memory, then disk
     quota_max_models: int | None = Field(None, ge=0)  # defaults for tenants without their own (tenants set-quota)

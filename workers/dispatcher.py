@@ -54,7 +54,7 @@ class Dispatcher:
         gap_timeout: float = 30.0,
         fetch_timeout: float = 1.0,
         recovery: Recovery | None = None,
-        token_budget: int = 16384,
+        token_budget: int | None = None,
     ) -> None:
         """`execute` is a StepEngine, or the bound `execute` of one (both get merged steps), or a plain function
         (every job then runs alone)."""
@@ -64,7 +64,8 @@ class Dispatcher:
         self.engine = execute if isinstance(execute, StepEngine) else owner if isinstance(owner, StepEngine) else None
         self.execute: Callable[[Job], JobResult] = self.engine.execute if self.engine is not None else execute  # type: ignore[assignment]
         measure = self.engine.measure if self.engine is not None else None
-        self.scheduler = Scheduler(gap_timeout, token_budget=token_budget, measure=measure)
+        budget = token_budget or getattr(self.engine, "token_budget", None) or 16384  # None: the engine's default
+        self.scheduler = Scheduler(gap_timeout, token_budget=budget, measure=measure)
         self.fetch_timeout = fetch_timeout
         self.recovery = recovery
         self._known: set[str] = set()  # models whose durable state this worker has looked up

@@ -45,6 +45,13 @@ class Trainer:
         self.store = store
         self._merged = MergedPass(base, self.pool)
 
+    @property
+    def token_budget(self) -> int:
+        """Padded tokens one merged pass should carry by default: on a CPU, passes beyond a few thousand tokens
+        lose cache locality and run slower than their parts (benchmarks/merged_step.py); an accelerator wants
+        large passes."""
+        return 4096 if self.base.device.type == "cpu" else 32768
+
     @staticmethod
     def measure(job: Job) -> JobSize:
         """The scheduler's view of a job's size (rows, longest row, tokens)."""
