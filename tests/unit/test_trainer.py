@@ -92,3 +92,18 @@ def test_non_finite_loss_fails_only_that_job(trainer: Trainer) -> None:
     assert all(g is None for g in trainer.pool.get("x").grads)
     _ok(trainer, _fb("x", 2, [5, 6, 7, 8]))
     assert all(g is not None and torch.isfinite(g).all() for g in trainer.pool.get("x").grads)
+
+
+def test_failed_optim_step_drops_its_gradients(trainer: Trainer) -> None:
+    _ok(trainer, _job("y", 0, CreateModel(lora=LoraSpec(rank=2, seed=1))))
+    _ok(trainer, _fb("y", 1, [5, 6, 7, 8]))
+    adapter = trainer.pool.get("y")
+    adapter.grads = [torch.full_like(g, float("inf")) for g in adapter.grads]  # as if a norm overflowed
+    before = [p.detach().clone() for p in adapter.params]
+    adam = AdamSpec(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-12, weight_decay=0.0, grad_clip_norm=0.0)
+    result = trainer.execute(_job("y", 2, OptimStep(adam=adam)))
+    assert not result.ok and result.error is not None and result.error.category.value == "user"
+    assert all(torch.equal(b, p) for b, p in zip(before, trainer.pool.get("y").params))
+    _ok(trainer, _fb("y", 3, [5, 6, 7, 8]))
+    _ok(trainer, _job("y", 4, OptimStep(adam=adam)))
+    assert not all(torch.equal(b, p) for b, p in zip(before, trainer.pool.get("y").params))

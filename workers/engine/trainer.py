@@ -156,7 +156,8 @@ class Trainer:
             finally:
                 for w in adapter.params:
                     w.grad = None
-            adapter.grads = [None] * len(adapter.params)
+                # a failed step (non-finite norm) drops its gradients too: the tenant can go on training
+                adapter.grads = [None] * len(adapter.params)
         return metrics
 
 
