@@ -117,36 +117,24 @@ def _migrate(args: argparse.Namespace) -> int:
 
 
 def _keys(args: argparse.Namespace) -> int:
-    from server.db.database import Database
-    from server.errors import DomainError
+    from deploy.db_command import run_db_command
     from server.services import tenants
 
-    settings = _settings(args)
-    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    async def body(db) -> int:  # type: ignore[no-untyped-def]
+        if args.keys_cmd == "create":
+            key, key_id = await tenants.create_key(db, args.tenant)
+            print(key)
+            print(f"key id {key_id} for tenant {args.tenant!r}; store it now, it is not shown again", file=sys.stderr)
+        elif args.keys_cmd == "list":
+            print(f"{'id':>4}  {'tenant':<24} {'prefix':<12} {'created':<26} revoked")
+            for k in await tenants.list_keys(db):
+                print(f"{k.key_id:>4}  {k.tenant:<24} {k.prefix:<12} {k.created_at.isoformat():<26} {k.revoked_at or '-'}")
+        elif args.keys_cmd == "revoke":
+            await tenants.revoke(db, args.key_id)
+            print(f"revoked key {args.key_id}", file=sys.stderr)
+        return 0
 
-    async def run() -> int:
-        db = Database(settings.sqlalchemy_url)
-        await db.create_schema()
-        try:
-            if args.keys_cmd == "create":
-                key, key_id = await tenants.create_key(db, args.tenant)
-                print(key)
-                print(f"key id {key_id} for tenant {args.tenant!r}; store it now, it is not shown again", file=sys.stderr)
-            elif args.keys_cmd == "list":
-                print(f"{'id':>4}  {'tenant':<24} {'prefix':<12} {'created':<26} revoked")
-                for k in await tenants.list_keys(db):
-                    print(f"{k.key_id:>4}  {k.tenant:<24} {k.prefix:<12} {k.created_at.isoformat():<26} {k.revoked_at or '-'}")
-            elif args.keys_cmd == "revoke":
-                await tenants.revoke(db, args.key_id)
-                print(f"revoked key {args.key_id}", file=sys.stderr)
-            return 0
-        except DomainError as e:
-            print(f"error: {e.message}", file=sys.stderr)
-            return 1
-        finally:
-            await db.close()
-
-    return asyncio.run(run())
+    return run_db_command(_settings(args), body)
 
 
 def main(argv: list[str] | None = None) -> int:

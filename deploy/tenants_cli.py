@@ -11,7 +11,6 @@ A running server applies a change within `quota_cache_seconds`.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 from collections.abc import Callable
 
@@ -44,35 +43,24 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser,
 
 
 def _tenants(args: argparse.Namespace, settings: Settings) -> int:
-    from server.db.database import Database
-    from server.errors import DomainError
+    from deploy.db_command import run_db_command
     from server.services import tenant_limits
 
-    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    async def body(db) -> int:  # type: ignore[no-untyped-def]
+        if args.tenants_cmd == "set-quota":
+            given = {n: getattr(args, f"q_{n}") for n in _FIELDS if getattr(args, f"q_{n}") is not _UNSET}
+            if not given:
+                print("error: give at least one limit, e.g. --tokens-per-minute 100000", file=sys.stderr)
+                return 2
+            limits = await tenant_limits.set_quota(db, args.tenant, **given)
+            print(_row(args.tenant, limits))
+        else:
+            print(f"{'tenant':<24} " + " ".join(f"{n:>24}" for n in _FIELDS))
+            for name, limits in await tenant_limits.list_quotas(db):
+                print(_row(name, limits))
+        return 0
 
-    async def run() -> int:
-        db = Database(settings.sqlalchemy_url)
-        await db.create_schema()
-        try:
-            if args.tenants_cmd == "set-quota":
-                given = {n: getattr(args, f"q_{n}") for n in _FIELDS if getattr(args, f"q_{n}") is not _UNSET}
-                if not given:
-                    print("error: give at least one limit, e.g. --tokens-per-minute 100000", file=sys.stderr)
-                    return 2
-                limits = await tenant_limits.set_quota(db, args.tenant, **given)
-                print(_row(args.tenant, limits))
-            else:
-                print(f"{'tenant':<24} " + " ".join(f"{n:>24}" for n in _FIELDS))
-                for name, limits in await tenant_limits.list_quotas(db):
-                    print(_row(name, limits))
-            return 0
-        except DomainError as e:
-            print(f"error: {e.message}", file=sys.stderr)
-            return 1
-        finally:
-            await db.close()
-
-    return asyncio.run(run())
+    return run_db_command(settings, body)
 
 
 def _row(name: str, limits: object) -> str:
