@@ -111,10 +111,16 @@ class LocalQueue(JobQueue):
 
     async def fetch(self, queue_name: str, timeout: float) -> list[Job]:
         q = self._pending[queue_name]
-        try:
-            first = await asyncio.wait_for(q.get(), timeout)
-        except asyncio.TimeoutError:
-            return []
+        if q.empty():
+            if timeout <= 0:  # a non-blocking look: what already arrived, nothing more
+                return []
+            try:
+                async with asyncio.timeout(timeout):
+                    first = await q.get()
+            except TimeoutError:
+                return []
+        else:
+            first = q.get_nowait()
         jobs = [first]
         while not q.empty():
             jobs.append(q.get_nowait())

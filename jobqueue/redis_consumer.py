@@ -94,7 +94,7 @@ class StreamConsumer:
         claimed = await self._reclaim()
         if claimed:
             return claimed
-        block = max(1, int(timeout * 1000))
+        block = max(1, int(timeout * 1000)) if timeout > 0 else None  # None: no BLOCK (0 would wait forever)
         try:
             reply = await self.client.xreadgroup(GROUP, self.name, {self.stream: ">"}, count=self.batch, block=block)
         except ResponseError as e:

@@ -27,7 +27,7 @@ from workers.scheduler import JobSize, Scheduler, Step
 
 log = logging.getLogger(__name__)
 
-_BUSY_FETCH_TIMEOUT = 0.001  # with work ready, only pick up what already arrived
+_BUSY_FETCH_TIMEOUT = 0.0  # with work ready, only pick up what already arrived (never wait for more)
 
 
 @runtime_checkable

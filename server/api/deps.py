@@ -11,7 +11,7 @@ from server.errors import Unauthorized
 from server.services.context import Context
 
 
-def get_ctx(request: Request) -> Context:
+async def get_ctx(request: Request) -> Context:  # async: FastAPI runs a plain `def` dependency on a worker thread
     ctx: Context = request.app.state.ctx
     return ctx
 
