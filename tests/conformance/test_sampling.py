@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import httpx
 import numpy as np
 import pytest
@@ -11,6 +13,8 @@ from tinker import types
 from tests.support.server import ServerProcess
 
 PROMPT = [5, 17, 42, 99, 7, 23, 61]
+# Sampler vs training forward on fp32: the torch sampler runs the trainer's own layers; vLLM its own kernels.
+ATOL = 1e-3 if os.environ.get("TWINKLE_SAMPLER") == "vllm" else 1e-4
 
 
 def datum(tokens: list[int]) -> types.Datum:
@@ -79,7 +83,7 @@ def test_compute_logprobs_match_training_forward(server: ServerProcess) -> None:
         sampler = tc.save_weights_and_get_sampling_client().result()
         got = prompt_logprobs(sampler, PROMPT)
         want = forward_logprobs(tc, PROMPT)
-        np.testing.assert_allclose(got, want, atol=1e-4)
+        np.testing.assert_allclose(got, want, atol=ATOL)
         base = prompt_logprobs(sc.create_sampling_client(base_model=server.base_model).result(), PROMPT)
         assert np.abs(base - want).max() > 1e-2  # the adapter matters, and base sampling does not pick it up
 

