@@ -8,7 +8,7 @@ from __future__ import annotations
 import random
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -21,6 +21,7 @@ from tinker import types
 
 from tests.integration.conftest import DEFAULT_PG, _pg_admin
 from tests.support.server import ServerProcess, WorkerProcess
+from tests.support.sft import batch, sft
 
 pytest.importorskip("redis")
 
@@ -50,7 +51,7 @@ def cluster(tiny_model_dir: Path, redis_url: str, tmp_path_factory: pytest.TempP
     name = f"twinkle_e2e_{uuid.uuid4().hex[:10]}"
     try:
         asyncio.run(_pg_admin(admin, f'CREATE DATABASE "{name}"'))
-    except (OSError, asyncio.TimeoutError) as e:
+    except (TimeoutError, OSError) as e:
         pytest.skip(f"Postgres at {admin} is not reachable: {e}")
     c = Cluster(tmp_path_factory.mktemp("cluster"), str(tiny_model_dir), redis_url,
                 f"{admin.rpartition('/')[0]}/{name}")
@@ -74,28 +75,6 @@ def _logs_on_failure(request: pytest.FixtureRequest, cluster: Cluster) -> Iterat
     rep = getattr(request.node, "rep_call", None)
     if rep is not None and rep.failed:
         print(cluster.logs())
-
-
-def batch(step: int) -> list[types.Datum]:
-    rng = np.random.default_rng(1000 + step)
-    out = []
-    for _ in range(3):
-        tokens = rng.integers(5, 200, size=10).tolist()
-        out.append(types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
-                               loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * 9}))
-    return out
-
-
-def sft(tc: tinker.TrainingClient, steps: int, during: Callable[[int], None] = lambda _: None,
-        same_batch: bool = False) -> list[float]:
-    losses = []
-    for step in range(steps):
-        fb = tc.forward_backward(batch(0 if same_batch else step), "cross_entropy")
-        opt = tc.optim_step(types.AdamParams(learning_rate=2e-2))
-        during(step)
-        losses.append(fb.result().metrics["loss:sum"])
-        opt.result()
-    return losses
 
 
 def adapter_state(c: Cluster, tc: tinker.TrainingClient, name: str) -> dict[str, torch.Tensor]:

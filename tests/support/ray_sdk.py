@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -14,58 +13,50 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import numpy as np
 
-from tests.support.server import cli, free_port
+from tests.support.process import ManagedProcess, free_port, quiet_env
+from tests.support.server import cli
+from tests.support.sft import batch, sft
 
 
-class Gateway:
+class Gateway(ManagedProcess):
+    what = "gateway"
+    log_tail = 15000
+
     def __init__(self, data_dir: Path, config: Path, ray_address: str, env: dict[str, str]) -> None:
         self.data_dir, self.config, self.ray_address = data_dir, config, ray_address
-        self.env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "HF_HUB_OFFLINE": "1", **env}
+        self.env = quiet_env(env)
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        self.log_path = data_dir.parent / "gateway.log"
-        self.proc: subprocess.Popen[bytes] | None = None
         self.api_key = ""
+        self._last = ""
+        super().__init__(data_dir.parent / "gateway.log")
 
     def start(self) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.api_key = cli("keys", "create", "--tenant", "ray-tenant", data_dir=self.data_dir, env=self.env).strip()
-        cmd = [sys.executable, "-m", "deploy.cli", "serve", "--backend", "ray", "--ray-address", self.ray_address,
-               "--config", str(self.config), "--host", "127.0.0.1", "--port", str(self.port),
-               "--data-dir", str(self.data_dir)]
-        self.proc = subprocess.Popen(cmd, stdout=open(self.log_path, "ab"), stderr=subprocess.STDOUT, env=self.env)
+        self.launch([sys.executable, "-m", "deploy.cli", "serve", "--backend", "ray", "--ray-address",
+                     self.ray_address, "--config", str(self.config), "--host", "127.0.0.1", "--port", str(self.port),
+                     "--data-dir", str(self.data_dir)], self.env)
 
     def wait_ready(self, timeout: float = 300.0, alive: Callable[[], None] = lambda: None) -> float:
-        """Until `/readyz` answers 200 (database, Redis and a live replica of every deployment); returns seconds."""
-        t0 = time.monotonic()
-        last = ""
-        while time.monotonic() - t0 < timeout:
-            assert self.proc is not None
+        """Until `/readyz` answers 200 (database, Redis and a live replica of every deployment); returns seconds.
+        `alive` is called on every poll (it raises when something the gateway needs has died)."""
+
+        def ready() -> bool:
             alive()
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"gateway exited with {self.proc.returncode}")
             try:
                 r = httpx.get(f"{self.base_url}/readyz", timeout=5)
-                if r.status_code == 200:
-                    return time.monotonic() - t0
-                last = r.text
             except httpx.HTTPError as e:
-                last = repr(e)
-            time.sleep(0.5)
-        raise RuntimeError(f"not ready within {timeout}s; last /readyz: {last}")
+                self._last = repr(e)
+                return False
+            self._last = r.text
+            return r.status_code == 200
 
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-15000:] if self.log_path.exists() else ""
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        try:
+            return self.wait_until(ready, timeout, interval=0.5)
+        except RuntimeError as e:
+            raise RuntimeError(f"{e}\nlast /readyz: {self._last}") from None
 
 
 def heartbeats(redis_url: str, prefix: str) -> dict[str, list[dict[str, Any]]]:
@@ -85,31 +76,6 @@ def heartbeats(redis_url: str, prefix: str) -> dict[str, list[dict[str, Any]]]:
             await client.aclose()
 
     return asyncio.run(read())
-
-
-def batch(step: int) -> list[Any]:
-    from tinker import types
-
-    rng = np.random.default_rng(1000 + step)
-    out = []
-    for _ in range(3):
-        tokens = rng.integers(5, 200, size=10).tolist()
-        out.append(types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
-                               loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * 9}))
-    return out
-
-
-def sft(tc: Any, steps: int, during: Callable[[int], None] = lambda _: None, same_batch: bool = False) -> list[float]:
-    from tinker import types
-
-    losses = []
-    for step in range(steps):
-        fb = tc.forward_backward(batch(0 if same_batch else step), "cross_entropy")
-        opt = tc.optim_step(types.AdamParams(learning_rate=2e-2))
-        during(step)
-        losses.append(fb.result().metrics["loss:sum"])
-        opt.result()
-    return losses
 
 
 def sdk_flow(gw: Gateway, model: str) -> dict[str, Any]:

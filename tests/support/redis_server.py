@@ -5,18 +5,20 @@ from __future__ import annotations
 import shutil
 import socket
 import subprocess
-import time
 from pathlib import Path
 
-from tests.support.server import free_port
+from tests.support.process import ManagedProcess, free_port
 
 
-class RedisServer:
+class RedisServer(ManagedProcess):
+    what = "redis-server"
+    log_tail = 5000
+
     def __init__(self, workdir: Path, aof: bool = False, port: int | None = None) -> None:
         self.workdir = workdir
         self.aof = aof
         self.port = port or free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
+        super().__init__(workdir / f"redis-{self.port}.log")
 
     @property
     def url(self) -> str:
@@ -26,22 +28,14 @@ class RedisServer:
     def available() -> bool:
         return shutil.which("redis-server") is not None
 
-    def start(self, timeout: float = 20.0) -> "RedisServer":
-        self.workdir.mkdir(parents=True, exist_ok=True)
+    def start(self, timeout: float = 20.0) -> RedisServer:
         persistence = (["--appendonly", "yes", "--appendfsync", "everysec", "--save", ""] if self.aof
                        else ["--appendonly", "no", "--save", ""])
-        cmd = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir),
-               "--protected-mode", "yes", *persistence]
-        log = open(self.workdir / f"redis-{self.port}.log", "ab")
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {self.proc.returncode}: {self.log()}")
-            if self._ping():
-                return self
-            time.sleep(0.05)
-        raise RuntimeError(f"redis-server did not answer within {timeout}s: {self.log()}")
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.launch(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir),
+                     "--protected-mode", "yes", *persistence])
+        self.wait_until(self._ping, timeout, interval=0.05)
+        return self
 
     def _ping(self) -> bool:
         try:
@@ -51,13 +45,9 @@ class RedisServer:
         except OSError:
             return False
 
-    def log(self) -> str:
-        p = self.workdir / f"redis-{self.port}.log"
-        return p.read_text(errors="replace")[-5000:] if p.exists() else ""
-
     def shutdown(self) -> None:
         """SHUTDOWN (the server writes its AOF and exits), as an operator's restart would."""
-        if self.proc is None or self.proc.poll() is not None:
+        if not self.running():
             return
         try:
             with socket.create_connection(("127.0.0.1", self.port), timeout=2) as s:
@@ -65,17 +55,11 @@ class RedisServer:
                 s.recv(64)
         except OSError:
             pass
+        assert self.proc is not None
         try:
             self.proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+            self.kill()
 
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+    def stop(self, timeout: float = 10.0) -> None:
+        super().stop(timeout)
