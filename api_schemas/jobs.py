@@ -12,6 +12,8 @@ from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from api_schemas.tinker.custom_loss import CustomLossProgram
+
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", ser_json_bytes="base64", val_json_bytes="base64")
@@ -50,6 +52,9 @@ class ForwardBackward(_Frozen):
     kind: Literal["forward_backward"] = "forward_backward"
     request_pb: bytes  # serialized (uncompressed) tinker_public.ForwardBackwardRequest, already validated
     forward_only: bool
+    # loss_fn "custom": the checked graph its loss_id names, resolved by the gateway (workers and replay need no
+    # lookup, and a later change to the stored loss cannot change a queued job)
+    custom_loss: CustomLossProgram | None = None
 
 
 class OptimStep(_Frozen):

@@ -18,7 +18,7 @@ from jobqueue.storage import CheckpointStorage
 from server.api import health, openai
 from server.api.tinker import bootstrap, futures, models, sampling, sessions, training
 from server.api.native import hub as native_hub
-from server.api.tinker import checkpoints, downloads, runs
+from server.api.tinker import checkpoints, custom_losses, downloads, runs
 from server.auth.keys import KeyCache
 from server.config import Settings
 from server.db.database import Database
@@ -75,7 +75,7 @@ def create_app(
     for module in (bootstrap, sessions, models, training, sampling, futures):
         app.include_router(module.router, prefix="/api/v1", tags=["tinker"])
     app.include_router(openai.router, prefix="/v1", tags=["openai"])
-    for module in (checkpoints, runs, downloads):
+    for module in (checkpoints, runs, downloads, custom_losses):
         app.include_router(module.router, prefix="/api/v1", tags=["tinker"])
     app.include_router(native_hub.router, prefix="/native/v1", tags=["native"])
     app.include_router(health.router)  # /healthz, /readyz (load balancers, docker-compose, Kubernetes)

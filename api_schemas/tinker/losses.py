@@ -39,10 +39,14 @@ class LossSpec:
     required_config: frozenset[str] = frozenset()
     # Set when this server cannot run the loss; validation then rejects it with this reason.
     unsupported_reason: str | None = None
+    # String-valued config keys, all required (custom: loss_id).
+    text_config: frozenset[str] = frozenset()
+    # True when inputs beyond required/optional are the loss's own business (custom losses declare theirs).
+    extra_inputs_ok: bool = False
 
     @property
     def config_keys(self) -> frozenset[str]:
-        return frozenset(self.config_defaults) | self.required_config
+        return frozenset(self.config_defaults) | self.required_config | self.text_config
 
 
 _RL_INPUTS = frozenset({"target_tokens", "logprobs", "advantages"})
@@ -71,16 +75,10 @@ _SPECS: tuple[LossSpec, ...] = (
             "Use ppo, cispo, gspo or importance_sampling instead."
         ),
     ),
-    LossSpec(
-        "custom",
-        frozenset(),
-        unsupported_reason=(
-            "server-side custom losses (loss_fn='custom' with a loss_id from create_custom_loss) are not "
-            "supported by this server: it does not execute client-traced graphs. "
-            "forward_backward_custom still works: with custom_loss_server_side off (this server's setting) "
-            "the SDK computes the loss client-side on top of cross_entropy."
-        ),
-    ),
+    # A loss uploaded with create_custom_loss, named by loss_fn_config["loss_id"]. The inputs it reads are declared
+    # with it (api_schemas/tinker/custom_loss.py checks them once the gateway has resolved the loss); others are
+    # ignored, as the SDK's client-side run of the same loss ignores them.
+    LossSpec("custom", frozenset({"target_tokens"}), text_config=frozenset({"loss_id"}), extra_inputs_ok=True),
 )
 
 LOSS_SPECS: Mapping[str, LossSpec] = MappingProxyType({s.name: s for s in _SPECS})
@@ -101,11 +99,15 @@ def resolve_loss_config(loss_fn: str, config: Mapping[str, float | str]) -> dict
     if unknown:
         allowed = ", ".join(sorted(spec.config_keys)) or "none"
         raise LossSpecError(f"{loss_fn}: unknown loss_fn_config key(s) {unknown}; allowed: {allowed}")
-    missing = sorted(spec.required_config - set(config))
+    missing = sorted((spec.required_config | spec.text_config) - set(config))
     if missing:
         raise LossSpecError(f"{loss_fn}: loss_fn_config must set {missing} (there is no documented default)")
     resolved = dict(spec.config_defaults)
     for key, value in config.items():
+        if key in spec.text_config:
+            if not isinstance(value, str) or not value:
+                raise LossSpecError(f"{loss_fn}: loss_fn_config[{key!r}] must be a string, got {value!r}")
+            continue  # not a number: read by the caller from `config`
         resolved[key] = _number(loss_fn, key, value)
 
     if "clip_low_threshold" in resolved:
@@ -145,7 +147,7 @@ def validate_loss_request(
         # Rejecting extras matters: a misspelled or unsupported key (e.g. a "mask") would otherwise be ignored
         # and the user would train on something other than what they think.
         extra = sorted(keys - allowed)
-        if extra:
+        if extra and not spec.extra_inputs_ok:
             raise LossSpecError(
                 f"{loss_fn}: datum {i} has loss_fn_inputs {extra} that this loss does not use "
                 f"(allowed: {sorted(allowed)})"

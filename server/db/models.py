@@ -163,3 +163,19 @@ class TenantQuotaRow(Base):
     tokens_per_minute: Mapped[int | None] = mapped_column(Integer, nullable=True)  # training + sampling tokens
     max_concurrent_requests: Mapped[int | None] = mapped_column(Integer, nullable=True)  # queued or running
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class CustomLossRow(Base):
+    """A custom loss uploaded with create_custom_loss: its checked graph (api_schemas.tinker.custom_loss), usable
+    only by the session (and so the tenant) that created it."""
+
+    __tablename__ = "custom_losses"
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)  # the loss_id, also its create future's id
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), index=True)
+    session_id: Mapped[str] = mapped_column(ForeignKey("sessions.id"), index=True)
+    seq_id: Mapped[int] = mapped_column(Integer)  # custom_loss_seq_id: a retried create finds this row
+    name: Mapped[str] = mapped_column(String(128))
+    digest: Mapped[str] = mapped_column(String(64))  # of what the loss computes: a retry must carry the same
+    program: Mapped[dict[str, Any]] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    __table_args__ = (UniqueConstraint("session_id", "seq_id"),)

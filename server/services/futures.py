@@ -16,6 +16,7 @@ from api_schemas.tinker.futures import (
 from api_schemas.tinker.types import FutureError, TryAgain
 from server.errors import NotFound
 from server.services import checkpoints as ckpt
+from server.services import custom_losses
 from server.services.context import Context
 from server.services.quotas import QuotaQueue
 
@@ -29,6 +30,8 @@ class FutureAnswer:
 
 
 async def retrieve(ctx: Context, tenant_id: str, request_id: str) -> FutureAnswer:
+    if custom_losses.is_loss_id(request_id):  # create_custom_loss: done when stored, answered from SQL
+        return _json((await custom_losses.answer(ctx, tenant_id, request_id)).model_dump())
     info = await ctx.queue.info(request_id)
     if info is None or info.tenant_id != tenant_id:
         raise NotFound(f"future {request_id} not found (unknown, expired, or not yours)")

@@ -20,6 +20,7 @@ from server.db import repositories as repo
 from server.db.models import CheckpointRow, ModelRow
 from server.errors import BadRequest, DomainError, PayloadTooLarge
 from server.services import checkpoints as ckpt
+from server.services import custom_losses
 from server.services import sampling
 from server.services.context import Context
 from server.services.models import model_id_for, owned_model
@@ -68,8 +69,11 @@ async def forward_backward(ctx: Context, tenant_id: str, body: bytes, content_en
             req = decode_forward_backward(msg)
         except ProtoDecodeError as e:
             raise BadRequest(str(e)) from e
-        check_forward_backward(req, ctx.served(model.base_model), ctx.settings.max_datums_per_request)
-        return ForwardBackward(request_pb=raw, forward_only=req.forward_only)
+        loss_id = req.loss_fn_config.get("loss_id") if req.loss_fn == "custom" else None
+        # A custom loss travels in the job as its checked graph (404 unless this model's session created it).
+        program = await custom_losses.resolve(ctx, tenant_id, model, loss_id) if isinstance(loss_id, str) else None
+        check_forward_backward(req, ctx.served(model.base_model), ctx.settings.max_datums_per_request, program)
+        return ForwardBackward(request_pb=raw, forward_only=req.forward_only, custom_loss=program)
 
     return await _queue_op(ctx, tenant_id, model, int(msg.seq_id), build, "ForwardBackwardOutput")
 

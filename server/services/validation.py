@@ -5,19 +5,25 @@ from __future__ import annotations
 import numpy as np
 
 from api_schemas.models import ServedModel
+from api_schemas.tinker.custom_loss import CustomLossProgram, check_custom_inputs
 from api_schemas.tinker.losses import LossSpecError, validate_loss_request
 from api_schemas.tinker.proto import DecodedForwardBackward
 from server.errors import BadRequest
 
 
-def check_forward_backward(req: DecodedForwardBackward, served: ServedModel, max_datums: int) -> None:
+def check_forward_backward(
+    req: DecodedForwardBackward, served: ServedModel, max_datums: int, custom: CustomLossProgram | None = None
+) -> None:
+    """`custom`: the graph a loss_fn "custom" request names; its inputs are checked by their declared ranks."""
     if not req.data:
         raise BadRequest("forward_backward needs at least one datum")
     if len(req.data) > max_datums:
         raise BadRequest(f"{len(req.data)} datums in one request; the limit is {max_datums}")
     try:
         validate_loss_request(req.loss_fn, [set(d.inputs) for d in req.data], req.loss_fn_config)
-    except LossSpecError as e:
+        if custom is not None:
+            check_custom_inputs(custom, [{k: tuple(v.shape) for k, v in d.inputs.items()} for d in req.data])
+    except (LossSpecError, ValueError) as e:
         raise BadRequest(str(e)) from e
     for i, d in enumerate(req.data):
         n = len(d.tokens)
@@ -38,6 +44,8 @@ def check_forward_backward(req: DecodedForwardBackward, served: ServedModel, max
         for name, arr in d.inputs.items():
             if arr.dtype.kind == "f" and not np.isfinite(arr).all():
                 raise BadRequest(f"datum {i}: loss_fn_inputs[{name!r}] contains NaN or Inf")
+            if custom is not None and name != "target_tokens":
+                continue  # a custom loss's inputs have the ranks it declared, not necessarily the datum's length
             if arr.ndim == 0 or arr.shape[0] != n:
                 raise BadRequest(
                     f"datum {i}: loss_fn_inputs[{name!r}] has shape {list(arr.shape)}; its first dimension must be {n}"

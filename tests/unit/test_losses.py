@@ -254,7 +254,7 @@ def test_sdk_loss_names_are_all_in_the_table() -> None:
     from tinker.types.loss_fn_type import LossFnType
 
     assert set(get_args(LossFnType)) == set(LOSS_SPECS)
-    assert set(SUPPORTED_LOSSES) == {"cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo"}
+    assert set(SUPPORTED_LOSSES) == {"cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo", "custom"}
 
 
 def test_unknown_loss_lists_supported_ones() -> None:
@@ -262,10 +262,23 @@ def test_unknown_loss_lists_supported_ones() -> None:
         validate_loss_request("dpo", [{"target_tokens", "weights"}], {})
 
 
-@pytest.mark.parametrize(("loss_fn", "why"), [("stable_reinforce", "stability"), ("custom", "traced graphs")])
+@pytest.mark.parametrize(("loss_fn", "why"), [("stable_reinforce", "stability")])
 def test_unsupported_losses_are_rejected_with_a_reason(loss_fn: str, why: str) -> None:
     with pytest.raises(LossSpecError, match=why):
         validate_loss_request(loss_fn, [{"target_tokens", "logprobs", "advantages"}], {})
+
+
+def test_custom_loss_requests_name_a_loss_id() -> None:
+    """Its inputs are the loss's own (checked against the stored graph); the table checks target_tokens and loss_id."""
+    validate_loss_request("custom", [{"target_tokens", "anything"}], {"loss_id": "custom-loss-1"})
+    with pytest.raises(LossSpecError, match=r"must set \['loss_id'\]"):
+        validate_loss_request("custom", [{"target_tokens"}], {})
+    with pytest.raises(LossSpecError, match="must be a string"):
+        validate_loss_request("custom", [{"target_tokens"}], {"loss_id": 3.0})
+    with pytest.raises(LossSpecError, match="unknown loss_fn_config"):
+        validate_loss_request("custom", [{"target_tokens"}], {"loss_id": "x", "beta": 1.0})
+    with pytest.raises(LossSpecError, match="target_tokens"):
+        validate_loss_request("custom", [{"weights"}], {"loss_id": "x"})
 
 
 def test_missing_and_extra_inputs_are_named() -> None:

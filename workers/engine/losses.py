@@ -13,7 +13,9 @@ from typing import Callable, Mapping
 
 import torch
 
+from api_schemas.tinker.custom_loss import CustomLossProgram
 from api_schemas.tinker.losses import LossSpecError, resolve_loss_config, validate_loss_request
+from workers.engine.custom_loss import CustomLossError, run_custom_loss
 
 __all__ = ["LossOutput", "LossSpecError", "compute_loss"]
 
@@ -159,11 +161,19 @@ def compute_loss(
     logprobs: list[torch.Tensor],
     inputs: list[dict[str, torch.Tensor]],
     config: dict[str, float | str],
+    custom: CustomLossProgram | None = None,
 ) -> LossOutput:
-    """The summed loss of one chunk, its per-datum outputs and its metrics; raises LossSpecError on bad input."""
+    """The summed loss of one chunk, its per-datum outputs and its metrics; raises LossSpecError on bad input.
+
+    `custom` is the checked graph of loss_fn "custom" (the job carries it; workers/engine/custom_loss.py runs it)."""
     if len(logprobs) != len(inputs):
         raise LossSpecError(f"{loss_fn}: {len(logprobs)} logprob tensors for {len(inputs)} datums")
     validate_loss_request(loss_fn, [set(d) for d in inputs], config)
+    if loss_fn == "custom":
+        if custom is None or custom.loss_id != config.get("loss_id"):
+            raise CustomLossError("custom: the job carries no graph for its loss_id")
+        res = run_custom_loss(custom, logprobs, inputs)
+        return LossOutput(loss=res.loss, outputs=res.outputs, metrics=res.metrics)
     cfg = resolve_loss_config(loss_fn, config)
     body = _BODIES[loss_fn]
 

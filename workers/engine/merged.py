@@ -141,7 +141,9 @@ class MergedPass:
             flat = targets.reshape(n, -1)
             lps.append(logp[it.start + i, :n].gather(-1, flat).reshape(targets.shape))
             inputs.append({k: (v.to(logp.dtype) if v.is_floating_point() else v) for k, v in tensors.items()})
-        out = compute_loss(it.req.loss_fn, lps, inputs, it.req.loss_fn_config)
+        payload = it.job.payload
+        assert isinstance(payload, ForwardBackward)
+        out = compute_loss(it.req.loss_fn, lps, inputs, it.req.loss_fn_config, payload.custom_loss)
         if not torch.isfinite(out.loss):
             raise UserJobError("the loss is not finite; gradients were not accumulated")
         return out

@@ -15,8 +15,10 @@ router = APIRouter()
 
 @router.post("/client/config")
 async def client_config(ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
-    # zstd bodies save bandwidth; the server decodes both forms.
-    return {"proto_compress_fwdbwd": True, "fwdbwd_max_chunk_len": ctx.settings.client_fwdbwd_max_chunk_len}
+    # zstd bodies save bandwidth; the server decodes both forms. custom_loss_server_side: create_custom_loss
+    # uploads the traced loss and forward_backward_custom runs it here by loss id (plain callables stay client-side).
+    return {"proto_compress_fwdbwd": True, "fwdbwd_max_chunk_len": ctx.settings.client_fwdbwd_max_chunk_len,
+            "custom_loss_server_side": True}
 
 
 @router.post("/client/dynamic_config")

@@ -1,0 +1,343 @@
+"""Runs a server-side custom loss: a small interpreter over the checked node list of a `CustomLossProgram`.
+
+The graph came from a stranger. The gateway already checked it against the allowlist
+(`api_schemas/tinker/custom_loss.py`); this interpreter trusts nothing of that and checks again at every step:
+it calls only functions it resolved itself from the allowlist's names, Python operators only on tensors and
+bounded numbers, `getattr` only for the allowlisted tensor attributes, and it computes every tensor operation
+first on the meta device (shapes only, no memory) so that no intermediate may exceed `MAX_ELEMENTS` elements and
+one job's intermediates together `MAX_TOTAL_ELEMENTS`: a graph cannot allocate its way out of its budget with a
+huge factory, `repeat` or broadcast. Nothing is eval'd, compiled or unpickled. Every failure is the user's
+(`CustomLossError`), so it fails only the job that ran the loss.
+
+Semantics follow the SDK's client-side `run_loss_handle`: the loss runs once per datum on (logprobs, *the
+loss_fn_inputs it names); the datum losses are SUMMED; metrics `custom/<name>:sum` are summed over datums and
+`custom/<name>:mean` averaged.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from api_schemas.tinker import custom_loss_ops as ops
+from api_schemas.tinker.custom_loss import CustomLossProgram, ProgramNode, check_custom_inputs, decode_float
+from workers.engine.errors import UserJobError
+
+MAX_ELEMENTS = ops.MAX_ELEMENTS
+MAX_TOTAL_ELEMENTS = ops.MAX_TOTAL_ELEMENTS
+_MAX_INT = 2**63
+_DTYPES = {name: getattr(torch, name) for name in ops.DTYPES}
+# Ops whose result size depends on tensor VALUES (boolean masks): meta cannot size them, but their result is never
+# bigger than their operands, so they run for real and are counted afterwards.
+_DATA_DEPENDENT = frozenset({"operator.getitem", "torch.masked_select", "masked_select"})
+_SCALARS = (bool, int, float)
+
+
+class CustomLossError(UserJobError):
+    """The custom loss failed on this job's data (bad shapes, a budget exceeded, a non-scalar loss, ...)."""
+
+
+def _resolve(name: str) -> Callable[..., Any]:
+    if name == "getattr":
+        return getattr
+    root, *path = name.split(".")
+    obj: Any = {"torch": torch, "operator": operator, "math": math}[root]
+    for part in path:
+        obj = getattr(obj, part)
+    assert callable(obj), name
+    return obj  # type: ignore[no-any-return]
+
+
+# Resolved once from the static allowlist (trusted names), never from request data.
+FUNCTIONS: dict[str, Callable[..., Any]] = {name: _resolve(name) for name in sorted(ops.FUNCTIONS)}
+
+
+@dataclass
+class Budget:
+    total: int = 0
+
+    def charge(self, where: str, value: Any) -> None:
+        for t in _tensors(value):
+            n = t.numel()
+            if n > MAX_ELEMENTS:
+                raise CustomLossError(f"{where}: a result of {n} elements exceeds the limit of {MAX_ELEMENTS}")
+            self.total += n
+            if self.total > MAX_TOTAL_ELEMENTS:
+                raise CustomLossError(
+                    f"{where}: the loss's intermediates exceed {MAX_TOTAL_ELEMENTS} elements in all; "
+                    "use fewer or smaller operations"
+                )
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+class Interpreter:
+    """Runs one program on one datum at a time, charging a budget shared by the job's datums."""
+
+    def __init__(self, program: CustomLossProgram, device: torch.device, budget: Budget) -> None:
+        self.program = program
+        self.device = device
+        self.budget = budget
+
+    def run(self, args: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        env: dict[str, Any] = {}
+        placeholders = iter(args)
+        for node in self.program.nodes:
+            if node.op == "placeholder":
+                env[node.name] = next(placeholders)
+            elif node.op == "output":
+                return self._output(node, env)
+            else:
+                env[node.name] = self._call(node, env)
+        raise CustomLossError(f"custom loss {self.program.name!r} has no output node")
+
+    # --- one node ---
+    def _where(self, node: ProgramNode) -> str:
+        return f"custom loss {self.program.name!r}, node {node.name!r} ({node.target})"
+
+    def _call(self, node: ProgramNode, env: dict[str, Any]) -> Any:
+        where = self._where(node)
+        args = [self._decode(a, env, where) for a in node.args]
+        kwargs = {k: self._decode(v, env, where) for k, v in node.kwargs.items()}
+        if node.op == "call_method":
+            if node.target not in ops.METHODS:
+                raise CustomLossError(f"{where}: method not allowed")
+            self_, *rest = args
+            if not isinstance(self_, torch.Tensor):
+                raise CustomLossError(f"{where}: methods may only be called on tensors, got {type(self_).__name__}")
+            if node.target == "to":
+                _check_to(where, rest, kwargs)
+            fn: Callable[..., Any] = getattr(self_, node.target)
+            call_args: list[Any] = rest
+        else:
+            if node.target not in FUNCTIONS:
+                raise CustomLossError(f"{where}: function not allowed")
+            fn, call_args = FUNCTIONS[node.target], args
+            if node.target == "getattr":
+                return _getattr(where, args, kwargs)
+            if node.target.startswith("math."):  # numbers only: math on a tensor would leave autograd
+                return _number_op(where, node.target, fn, args, kwargs)
+            if node.target in ops.NUMERIC_OPERATORS:
+                if not any(isinstance(a, torch.Tensor) for a in args):
+                    return _number_op(where, node.target, fn, args, kwargs)
+                _check_operands(where, args)
+            elif node.target == "operator.getitem":
+                _check_getitem(where, args)
+        if node.target in ops.FACTORIES:
+            kwargs["device"] = self.device
+        tensor_op = any(isinstance(t, torch.Tensor) for t in _flat([args, kwargs])) or node.target in ops.FACTORIES
+        sized = tensor_op and self._size_check(node, where, fn, call_args, kwargs,
+                                               args[0] if node.op == "call_method" else None)
+        try:
+            out = fn(*call_args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - any failure of the user's math is the user's
+            raise CustomLossError(f"{where}: {type(e).__name__}: {_short(e)}") from e
+        if tensor_op and not sized:  # a data-dependent op: never bigger than its operands, counted now
+            self.budget.charge(where, out)
+        return _check_result(where, out)
+
+    def _size_check(self, node: ProgramNode, where: str, fn: Callable[..., Any], args: list[Any],
+                    kwargs: dict[str, Any], self_: torch.Tensor | None) -> bool:
+        """Run the op on the meta device first: its result's size, without allocating it. False: the op's size
+        depends on tensor values (boolean masks), which meta cannot know."""
+        meta_kwargs = {k: _meta(v) for k, v in kwargs.items()}
+        if node.target in ops.FACTORIES:
+            meta_kwargs["device"] = "meta"
+        meta_args = [_meta(a) for a in args]
+        try:
+            with torch.no_grad():
+                if self_ is not None:
+                    out = getattr(_meta(self_), node.target)(*meta_args, **meta_kwargs)
+                else:
+                    out = fn(*meta_args, **meta_kwargs)
+        except Exception as e:  # noqa: BLE001
+            if node.target in _DATA_DEPENDENT:
+                return False
+            raise CustomLossError(f"{where}: {type(e).__name__}: {_short(e)}") from e
+        self.budget.charge(where, out)
+        return True
+
+    def _decode(self, arg: Any, env: dict[str, Any], where: str) -> Any:  # noqa: C901
+        if arg is None or isinstance(arg, (bool, int, float, str)):
+            return arg
+        if isinstance(arg, list):
+            return [self._decode(a, env, where) for a in arg]
+        if not (isinstance(arg, dict) and len(arg) == 1):
+            raise CustomLossError(f"{where}: malformed argument")
+        (kind, value), = arg.items()
+        if kind == "ref":
+            if value not in env:
+                raise CustomLossError(f"{where}: refers to unknown node {str(value)[:80]!r}")
+            return env[value]
+        if kind == "tuple":
+            return tuple(self._decode(a, env, where) for a in value)
+        if kind == "dict":
+            return {str(k): self._decode(v, env, where) for k, v in value.items()}
+        if kind == "slice":
+            return slice(*(self._decode(a, env, where) for a in value))
+        if kind == "ellipsis":
+            return Ellipsis
+        if kind == "float":
+            return decode_float(value)
+        if kind == "device":
+            return self.device  # every tensor of the loss lives where the worker runs it
+        if kind == "dtype" and value in _DTYPES:
+            return _DTYPES[value]
+        if kind == "layout" and value in ops.LAYOUTS:
+            return torch.strided
+        raise CustomLossError(f"{where}: argument {{{str(kind)[:40]!r}: ...}} is not an allowed constant")
+
+    def _output(self, node: ProgramNode, env: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        where = self._where(node)
+        result = self._decode(node.args[0], env, where)
+        if not (isinstance(result, (tuple, list)) and len(result) == 2 and isinstance(result[1], dict)):
+            raise CustomLossError(f"{where}: the loss must return (loss, metrics)")
+        loss, metrics = result
+        if not isinstance(loss, torch.Tensor) or loss.ndim != 0 or not loss.dtype.is_floating_point:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise CustomLossError(f"custom loss {self.program.name!r} must return a scalar float loss, got {shape}")
+        for key, value in metrics.items():
+            if not isinstance(value, torch.Tensor) or value.numel() != 1:
+                raise CustomLossError(f"custom loss {self.program.name!r}: metric {key!r} must be a one-element tensor")
+        return loss, metrics
+
+
+def _short(e: Exception) -> str:
+    return str(e).splitlines()[0][:300] if str(e) else ""
+
+
+def _flat(value: Any) -> list[Any]:
+    if isinstance(value, (list, tuple)):
+        return [x for v in value for x in _flat(v)]
+    if isinstance(value, dict):
+        return [x for v in value.values() for x in _flat(v)]
+    return [value]
+
+
+def _meta(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("meta")
+    if isinstance(value, list):
+        return [_meta(v) for v in value]
+    if isinstance(value, tuple) and not isinstance(value, torch.Size):
+        return tuple(_meta(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _meta(v) for k, v in value.items()}
+    if isinstance(value, slice):
+        return slice(_meta(value.start), _meta(value.stop), _meta(value.step))
+    return value
+
+
+def _getattr(where: str, args: list[Any], kwargs: dict[str, Any]) -> Any:
+    if len(args) != 2 or kwargs or not isinstance(args[0], torch.Tensor) or args[1] not in ops.ATTRIBUTES:
+        raise CustomLossError(f"{where}: getattr may only read {sorted(ops.ATTRIBUTES)} of a tensor")
+    return getattr(args[0], args[1])
+
+
+def _check_to(where: str, args: list[Any], kwargs: dict[str, Any]) -> None:
+    """`to` only converts the dtype (a device argument already names the worker's own device)."""
+    allowed = (torch.dtype, torch.device, torch.Tensor)
+    if any(not isinstance(a, allowed) for a in args) or set(kwargs) - {"dtype", "device"}:
+        raise CustomLossError(f"{where}: to() may only take a dtype, a device or a tensor")
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, _SCALARS)
+
+
+def _check_operands(where: str, args: list[Any]) -> None:
+    for a in args:
+        if not (isinstance(a, torch.Tensor) or _is_number(a)):
+            raise CustomLossError(f"{where}: operands must be tensors or numbers, got {type(a).__name__}")
+
+
+def _number_op(where: str, target: str, fn: Callable[..., Any], args: list[Any], kwargs: dict[str, Any]) -> Any:
+    """Python arithmetic on numbers (e.g. on a tensor's shape), bounded: no unbounded integers, no strings."""
+    if kwargs or not all(_is_number(a) for a in args):
+        raise CustomLossError(f"{where}: operands must be tensors or numbers")
+    if target == "operator.pow" and all(isinstance(a, int) for a in args):
+        base, exp = args
+        if exp > 64 or abs(base) > 2**32:
+            args = [float(base), float(exp)]
+    try:
+        out = fn(*args)
+    except (ArithmeticError, ValueError) as e:
+        raise CustomLossError(f"{where}: {type(e).__name__}: {_short(e)}") from e
+    if isinstance(out, int) and abs(out) > _MAX_INT:
+        raise CustomLossError(f"{where}: integer result beyond +-2**63")
+    if not _is_number(out):
+        raise CustomLossError(f"{where}: unexpected result type {type(out).__name__}")
+    return out
+
+
+def _check_getitem(where: str, args: list[Any]) -> None:
+    if len(args) != 2:
+        raise CustomLossError(f"{where}: getitem takes a container and an index")
+    container, index = args
+    if isinstance(container, torch.Tensor):
+        return  # tensor indexing; its size is checked like every tensor op
+    if not isinstance(container, (tuple, list, torch.Size)):
+        raise CustomLossError(f"{where}: can only index tensors, shapes and tuples, got {type(container).__name__}")
+    if not (isinstance(index, int) or (isinstance(index, slice) and all(
+            v is None or isinstance(v, int) for v in (index.start, index.stop, index.step)))):
+        raise CustomLossError(f"{where}: a shape or tuple takes an integer or slice index")
+
+
+def _check_result(where: str, out: Any) -> Any:
+    """Only values a loss computes with may flow on: tensors, numbers, shapes, dtypes, devices and tuples of them."""
+    if out is None or isinstance(out, (torch.Tensor, torch.dtype, torch.device, torch.Size, *_SCALARS)):
+        return out
+    if isinstance(out, (tuple, list)):
+        for v in out:
+            _check_result(where, v)
+        return out
+    raise CustomLossError(f"{where}: produced a {type(out).__name__}, which a custom loss cannot use")
+
+
+@dataclass
+class CustomLossResult:
+    loss: torch.Tensor  # SUM over datums
+    outputs: list[dict[str, torch.Tensor]]
+    metrics: dict[str, float]
+
+
+def run_custom_loss(program: CustomLossProgram, logprobs: list[torch.Tensor],
+                    inputs: list[dict[str, torch.Tensor]]) -> CustomLossResult:
+    """Run `program` once per datum and sum; raise CustomLossError for anything wrong with the loss or its data."""
+    if not logprobs or len(logprobs) != len(inputs):
+        raise CustomLossError(f"custom loss: {len(logprobs)} logprob tensors for {len(inputs)} datums")
+    shapes = [{k: tuple(v.shape) for k, v in d.items()} for d in inputs]
+    try:
+        check_custom_inputs(program, shapes)
+    except ValueError as e:
+        raise CustomLossError(str(e)) from e
+    budget = Budget()
+    interp = Interpreter(program, logprobs[0].device, budget)
+    names = [x.name for x in program.inputs[1:]]
+    ranks = [x.rank for x in program.inputs[1:]]
+    losses: list[torch.Tensor] = []
+    sums: dict[str, torch.Tensor] = {}
+    for lp, raw in zip(logprobs, inputs):
+        args = [lp] + [raw[n].reshape(()) if r == 0 else raw[n] for n, r in zip(names, ranks)]
+        loss, metrics = interp.run(args)
+        if lp.requires_grad and not loss.requires_grad:
+            # A loss that ignores logprobs has a zero gradient; a fresh leaf keeps the merged backward valid.
+            loss = loss.detach().requires_grad_()
+        losses.append(loss.to(lp.dtype))
+        for key, value in metrics.items():
+            v = value.detach().reshape(()).to(torch.float64)
+            sums[key] = v if key not in sums else sums[key] + v
+    total = torch.stack(losses).sum()
+    out_metrics = {k: float(v) / (len(logprobs) if k.endswith(":mean") else 1) for k, v in sums.items()}
+    out_metrics["loss:sum"] = float(total.detach())
+    return CustomLossResult(total, [{"logprobs": lp.detach()} for lp in logprobs], out_metrics)
