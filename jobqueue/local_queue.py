@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -32,6 +32,7 @@ class _Record:
     result: JobResult | None = None
     done: asyncio.Event = field(default_factory=asyncio.Event)
     finished_at: float = 0.0
+    dedup_key: str | None = None
 
 
 @dataclass
@@ -48,6 +49,7 @@ class LocalQueue(JobQueue):
         self._pending: dict[str, asyncio.Queue[Job]] = defaultdict(asyncio.Queue)
         self._feeds: dict[str, _Feed] = defaultdict(_Feed)
         self._result_ttl = result_ttl
+        self._finished: deque[tuple[float, str]] = deque()  # (finished at, job id), oldest first: what to expire
 
     async def submit(self, job: Job, dedup_key: str | None = None, feed: str | None = None) -> str:
         self._expire()
@@ -58,7 +60,7 @@ class LocalQueue(JobQueue):
                     raise DuplicateJobMismatch(f"{dedup_key} was already submitted with a different payload")
                 return seen[0]
             self._dedup[dedup_key] = (job.job_id, job.fingerprint())
-        self._records[job.job_id] = _Record(job, feed)
+        self._records[job.job_id] = _Record(job, feed, dedup_key=dedup_key)
         self._pending[job.queue_name].put_nowait(job)
         return job.job_id
 
@@ -76,10 +78,12 @@ class LocalQueue(JobQueue):
         rec = self._records.get(job_id)
         if rec is None:
             return None
-        try:
-            await asyncio.wait_for(rec.done.wait(), timeout)
-        except asyncio.TimeoutError:
-            return None
+        if not rec.done.is_set():
+            try:
+                async with asyncio.timeout(timeout):  # unlike wait_for, no task per wait
+                    await rec.done.wait()
+            except TimeoutError:
+                return None
         return rec.result
 
     async def wait_feed(self, feed: str, after: int, timeout: float, retrieved: Sequence[str] = ()) -> FeedPage:
@@ -144,6 +148,7 @@ class LocalQueue(JobQueue):
     def _finish(self, rec: _Record, result: JobResult) -> None:
         rec.result, rec.state, rec.finished_at = result, JobState.DONE, time.monotonic()
         rec.done.set()
+        self._finished.append((rec.finished_at, result.job_id))
         if rec.feed is not None:
             f = self._feeds[rec.feed]
             f.events.append((f.next_cursor, Completion(result.job_id, not result.ok, len(result.body) if result.ok else None)))
@@ -151,10 +156,10 @@ class LocalQueue(JobQueue):
             f.changed.set()
 
     def _expire(self) -> None:
+        """Forget results older than the TTL (and their dedup keys): oldest first, so each submit does O(1) work."""
         cutoff = time.monotonic() - self._result_ttl
-        stale = [k for k, r in self._records.items() if r.state is JobState.DONE and r.finished_at < cutoff]
-        for k in stale:
-            del self._records[k]
-        if stale:
-            gone = set(stale)
-            self._dedup = {k: v for k, v in self._dedup.items() if v[0] not in gone}
+        while self._finished and self._finished[0][0] < cutoff:
+            _, job_id = self._finished.popleft()
+            rec = self._records.pop(job_id, None)
+            if rec is not None and rec.dedup_key is not None and self._dedup.get(rec.dedup_key, ("",))[0] == job_id:
+                del self._dedup[rec.dedup_key]

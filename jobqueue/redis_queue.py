@@ -142,8 +142,9 @@ class RedisQueue(JobQueue):
                 if found is not None or left <= 0:
                     return found
                 try:
-                    await asyncio.wait_for(ev.wait(), left)
-                except asyncio.TimeoutError:
+                    async with asyncio.timeout(left):  # unlike wait_for, no task per wait
+                        await ev.wait()
+                except TimeoutError:
                     return await check()
         finally:
             self._waiters.unregister(name, ev)

@@ -42,6 +42,8 @@ class PushWaiters:
         """Start the subscription if needed; True once it is confirmed (within `timeout`)."""
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._listen(), name="twinkle-redis-pushes")
+        elif self._ready.is_set():  # the usual case: no wait_for (it would make a task per call)
+            return True
         try:
             await asyncio.wait_for(self._ready.wait(), timeout)
         except asyncio.TimeoutError:

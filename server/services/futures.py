@@ -32,16 +32,21 @@ class FutureAnswer:
 async def retrieve(ctx: Context, tenant_id: str, request_id: str) -> FutureAnswer:
     if custom_losses.is_loss_id(request_id):  # create_custom_loss: done when stored, answered from SQL
         return _json((await custom_losses.answer(ctx, tenant_id, request_id)).model_dump())
-    info = await ctx.queue.info(request_id)
-    if info is None or info.tenant_id != tenant_id:
+    owner = ctx.recent_future(request_id)  # queued here just now: owner and type known without asking the queue
+    if owner is None:
+        info = await ctx.queue.info(request_id)
+        owner = (info.tenant_id, info.result_type) if info is not None else None
+    if owner is None or owner[0] != tenant_id:
         raise NotFound(f"future {request_id} not found (unknown, expired, or not yours)")
+    result_type = owner[1]
     result = await ctx.queue.wait_result(request_id, ctx.settings.long_poll_seconds)
     if result is None:
         reason = ctx.queue.paused_reason(request_id) if isinstance(ctx.queue, QuotaQueue) else None
         pending = TryAgain(request_id=request_id) if reason is None else TryAgain(
             request_id=request_id, queue_state="paused_rate_limit", queue_state_reason=reason)
         return _json(pending.model_dump(exclude_none=True))
-    if info.result_type in _SAVE_RESULTS:
+    ctx.recent_future(request_id, delivered=True)
+    if result_type in _SAVE_RESULTS:
         size = json.loads(result.body).get("size_bytes") if result.ok else None
         await ckpt.record_result(ctx, request_id, result.ok, size)
     if result.error is not None:

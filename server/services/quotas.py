@@ -68,6 +68,12 @@ def job_tokens(job: Job) -> int:
     return 0
 
 
+def _limited(limits: Limits) -> bool:
+    """Whether any admission limit applies (max_resident_adapters is the engine's, not admission's)."""
+    return (limits.max_models is not None or limits.tokens_per_minute is not None
+            or limits.max_concurrent_requests is not None)
+
+
 def _creates(job: Job) -> bool:
     p = job.payload
     return isinstance(p, CreateModel) or (isinstance(p, LoadWeights) and p.create)
@@ -113,10 +119,14 @@ class QuotaQueue(JobQueue):
                 if self._held[held_id].job.fingerprint() != job.fingerprint():
                     raise DuplicateJobMismatch(f"{dedup_key} was already submitted with a different payload")
                 return held_id
+        limits = await self.limits.get(job.tenant_id)
+        # Without a limit to apply or a line to wait in, the job goes straight to the queue, whose submit is
+        # idempotent itself: the look-up (one more round trip to Redis) is only needed when a retry could be
+        # held or charged again.
+        if dedup_key is not None and (_limited(limits) or self._lines.get(job.model_id)):
             if await self.inner.dedup_id(dedup_key) is not None:  # a retry of a queued job: the queue answers
                 return await self.inner.submit(job, dedup_key, feed)
-        limits = await self.limits.get(job.tenant_id)
-        tokens = job_tokens(job)
+        tokens = job_tokens(job) if limits.tokens_per_minute is not None else 0  # parsing a request costs
         if job.lane == "sample":
             wait, reason = await self._verdict(job, limits, tokens)
             if wait is not None:
@@ -127,8 +137,8 @@ class QuotaQueue(JobQueue):
             reason = "behind this model's earlier requests" if self._lines.get(job.model_id) else ""
             if not reason:
                 reason = (await self._verdict(job, limits, tokens))[1]
-            if reason:
-                return self._hold(_Held(job, dedup_key, feed, tokens, reason))
+            if reason:  # charged when released, under the limits of that time: count its tokens now
+                return self._hold(_Held(job, dedup_key, feed, job_tokens(job), reason))
         return await self._pass(job, dedup_key, feed, tokens, limits)
 
     def paused_reason(self, job_id: str) -> str | None:
