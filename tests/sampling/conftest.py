@@ -36,9 +36,10 @@ class Rig:
     folder: Path
     loop: asyncio.AbstractEventLoop
 
-    def adapter(self, name: str, seed: int, rank: int = 4) -> WeightsRef:
-        """A trained-looking adapter (random A and B), saved as a PEFT folder; also kept in the pool as `name`."""
-        adapter = self.pool.create(name, LoraSpec(rank=rank, seed=seed))
+    def adapter(self, name: str, seed: int, rank: int = 4, **targets: bool) -> WeightsRef:
+        """A trained-looking adapter (random A and B), saved as a PEFT folder; also kept in the pool as `name`.
+        `targets`: LoraSpec's train_attn / train_mlp / train_unembed (all by default)."""
+        adapter = self.pool.create(name, LoraSpec(rank=rank, seed=seed, **targets))
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for p in adapter.params:

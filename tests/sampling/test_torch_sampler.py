@@ -70,3 +70,21 @@ def test_sampling_is_unaffected_by_training_on_another_thread(rig: Rig) -> None:
     for res in busy:
         assert tokens(res.sequences[0]) == tokens(alone.sequences[0])
         np.testing.assert_allclose(logprobs(res.sequences[0]), logprobs(alone.sequences[0]), atol=1e-5)
+
+
+def test_adapters_of_different_ranks_and_targets_share_a_batch(rig: Rig) -> None:
+    """Uneven row groups, base-model rows, and adapters that skip some layers, decoded together, match solo runs."""
+    sampler = make_sampler("torch", rig)
+    wide = rig.adapter("wide", seed=50, rank=8)
+    attn = rig.adapter("attn", seed=51, rank=2, train_mlp=False, train_unembed=False)
+    mlp = rig.adapter("mlp", seed=52, rank=4, train_attn=False)
+    specs = [spec(PROMPTS[i % 3], w, n=n, max_tokens=10, temperature=1.0, seed=i)
+             for i, (w, n) in enumerate([(wide, 3), (attn, 1), (mlp, 2), (None, 1)])]
+    solo = [rig.run(sampler, s)[0] for s in specs]
+    together = rig.run(sampler, *specs)
+    rig.loop.run_until_complete(sampler.close())
+    assert len({tuple(tokens(r.sequences[0])) for r in solo}) == len(specs)
+    for got, want in zip(together, solo):
+        for g, w in zip(got.sequences, want.sequences, strict=True):
+            assert tokens(g) == tokens(w)
+            np.testing.assert_allclose(logprobs(g), logprobs(w), atol=1e-5)
