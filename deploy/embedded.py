@@ -63,6 +63,7 @@ def build_embedded_app(settings: Settings) -> FastAPI:
     sampler = build_sampler(
         settings.sampler, served.name, trainer.base.folder, store, dtype=settings.dtype, device=settings.device,
         max_batch_rows=settings.sampler_max_batch_rows, max_loaded_adapters=settings.sampler_max_loaded_adapters,
+        max_lora_rank=settings.max_lora_rank,
         shared_base=trainer.base,  # one copy of the weights (workers/sampling/torch_sampler.py says why it is safe)
     )
     sampling = SamplerWorker(queue, queue_name(served.name, "sample"), sampler)

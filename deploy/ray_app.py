@@ -67,7 +67,8 @@ def build_application(config: RayAppConfig, settings: Settings):  # type: ignore
                                snapshot_every=settings.snapshot_every_steps,
                                gap_timeout=settings.seq_gap_timeout_seconds, sampler=m.sampler.backend,
                                max_batch_rows=m.sampler.max_batch_rows,
-                               max_loaded_adapters=m.sampler.max_loaded_adapters)
+                               max_loaded_adapters=m.sampler.max_loaded_adapters,
+                               max_lora_rank=settings.max_lora_rank)
         t, sp = m.trainer, m.sampler
         handles[f"trainer_{len(handles)}"] = d.TrainerDeployment.options(
             name=f"trainer-{s}", num_replicas=1, ray_actor_options=t.actor_options(),

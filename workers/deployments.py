@@ -65,6 +65,7 @@ class ModelOptions(BaseModel):
     sampler: str = "torch"
     max_batch_rows: int = 64
     max_loaded_adapters: int = 32
+    max_lora_rank: int = 128  # the largest rank the gateway accepts (vLLM sizes its LoRA slots for it)
 
 
 class _Replica:
@@ -193,7 +194,8 @@ class SamplerDeployment(_Replica):
             base, store, folder = None, _store(opts), await asyncio.to_thread(_folder, model, opts)
         backend = build_sampler(
             model.sampler, model.name, folder, store, dtype=model.dtype, device=model.device,
-            max_batch_rows=model.max_batch_rows, max_loaded_adapters=model.max_loaded_adapters, shared_base=base,
+            max_batch_rows=model.max_batch_rows, max_loaded_adapters=model.max_loaded_adapters,
+            max_lora_rank=model.max_lora_rank, shared_base=base,
         )
         await backend.start()
         self.backend = backend

@@ -93,3 +93,14 @@ def test_topk_prompt_logprobs_and_last_n(rig: Rig, backend: SamplerBackend) -> N
     vals = np.frombuffer(top.logprobs, "<f4").reshape(len(prompt), 3)
     assert (vals[: len(prompt) - 2] == -99999.0).all() and (ids[: len(prompt) - 2] == 0).all()
     assert (np.diff(vals[-2:], axis=1) <= 0).all() and (vals[-2:, 0] >= lps[-2:] - 1e-6).all()
+
+
+def test_the_vllm_sampler_is_sized_for_the_servers_max_rank(rig: Rig) -> None:
+    """The factory passes the server's maximum LoRA rank on (vLLM rounds it up to a rank it supports); building the
+    sampler does not import vllm, so this runs in the main suite."""
+    from workers.sampling.factory import build_sampler
+    from workers.sampling.vllm_sampler import VllmSampler
+
+    for configured, sized in ((20, 32), (32, 32), (128, 128)):
+        sampler = build_sampler("vllm", "tiny", rig.folder, rig.store, max_lora_rank=configured)
+        assert isinstance(sampler, VllmSampler) and sampler.max_lora_rank == sized
