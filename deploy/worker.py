@@ -48,6 +48,7 @@ def sampling_loop(
     backend = build_sampler(
         settings.sampler, served.name, trainer.base.folder, store, dtype=settings.dtype, device=settings.device,
         max_batch_rows=settings.sampler_max_batch_rows, max_loaded_adapters=settings.sampler_max_loaded_adapters,
+        max_lora_rank=settings.max_lora_rank,
         shared_base=trainer.base,
     )
     sampler = SamplerWorker(queue, queue_name(served.name, "sample"), backend)
