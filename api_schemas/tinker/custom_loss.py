@@ -13,19 +13,20 @@ import hashlib
 import json
 import math
 import re
-from typing import Any, Literal, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from api_schemas.tinker import custom_loss_ops as ops
 
 __all__ = [
+    "CreateCustomLossRequest",
+    "CreateCustomLossResponse",
     "CustomLossInput",
     "CustomLossNode",
     "CustomLossProgram",
     "CustomLossRejected",
-    "CreateCustomLossRequest",
-    "CreateCustomLossResponse",
     "check_custom_inputs",
     "validate_custom_loss",
 ]
@@ -214,7 +215,7 @@ def _check_call(node: CustomLossNode, seen: set[str]) -> None:
     for key in node.kwargs:
         if not NODE_NAME.fullmatch(key):
             raise CustomLossRejected("keyword names must be identifiers", node)
-        if key in ops.FORBIDDEN_KWARGS:
+        if key in ops.FORBIDDEN_KWARGS and node.kwargs[key] not in (None, False):  # torch.fx records defaults
             raise CustomLossRejected(f"keyword argument {key!r} is not allowed", node)
     leaves = [0]
     for arg in [*node.args, *node.kwargs.values()]:
@@ -257,7 +258,7 @@ def _check_constant_size(node: CustomLossNode) -> None:
             raise CustomLossRejected(f"a tensor of {numel} elements; the limit is {ops.MAX_ELEMENTS}", node)
 
 
-def _check_arg(node: CustomLossNode, arg: Any, seen: set[str], depth: int, leaves: list[int]) -> None:  # noqa: C901
+def _check_arg(node: CustomLossNode, arg: Any, seen: set[str], depth: int, leaves: list[int]) -> None:
     leaves[0] += 1
     if leaves[0] > MAX_ARG_LEAVES or depth > MAX_ARG_DEPTH:
         raise CustomLossRejected("arguments are too large or too deeply nested", node)
@@ -265,7 +266,7 @@ def _check_arg(node: CustomLossNode, arg: Any, seen: set[str], depth: int, leave
         return
     if isinstance(arg, int):
         if abs(arg) > MAX_INT:
-            raise CustomLossRejected(f"integer constant beyond +-2**53", node)
+            raise CustomLossRejected("integer constant beyond +-2**53", node)
         return
     if isinstance(arg, float):
         if not math.isfinite(arg):
@@ -298,9 +299,7 @@ def _check_arg(node: CustomLossNode, arg: Any, seen: set[str], depth: int, leave
             if a is not None and not _is_ref(a, seen) and not (isinstance(a, int) and not isinstance(a, bool)):
                 raise CustomLossRejected("slice bounds must be integers, None or graph values", node)
             _check_arg(node, a, seen, depth + 1, leaves)
-    elif kind == "ellipsis" and value is True:
-        pass
-    elif kind == "float" and value in _FLOATS:
+    elif kind == "ellipsis" and value is True or kind == "float" and value in _FLOATS:
         pass
     elif kind == "device" and isinstance(value, str) and len(value) <= MAX_STRING_CHARS:
         pass  # any device names where the worker runs: the worker puts every tensor on its own device

@@ -61,7 +61,10 @@ FUNCTIONS: frozenset[str] = frozenset(
 )
 
 # Tensor attributes `getattr` may read (torch.fx records `x.shape` as getattr(x, "shape")).
-ATTRIBUTES: frozenset[str] = frozenset({"shape", "dtype", "device", "ndim", "T", "mT"})
+TENSOR_ATTRIBUTES: frozenset[str] = frozenset({"shape", "dtype", "device", "ndim", "T", "mT"})
+# Fields of the named tuples reductions return (torch.max(x, dim).values, torch.topk(...).indices).
+RESULT_FIELDS: frozenset[str] = frozenset({"values", "indices"})
+ATTRIBUTES: frozenset[str] = TENSOR_ATTRIBUTES | RESULT_FIELDS
 
 # call_method targets: tensor methods.
 METHODS: frozenset[str] = frozenset(

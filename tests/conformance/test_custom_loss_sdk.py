@@ -67,7 +67,7 @@ def _client_side(fn, names):  # type: ignore[no-untyped-def]
             loss, metrics = fn(lp, *(d.loss_fn_inputs[n].to_torch() for n in names))
             total = total + loss
             for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + float(v)
+                sums[k] = sums.get(k, 0.0) + float(v.detach())
         return total, {k: v / len(data) if k.endswith(":mean") else v for k, v in sums.items()}
 
     return loss_fn

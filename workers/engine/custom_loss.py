@@ -18,13 +18,19 @@ from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from api_schemas.tinker import custom_loss_ops as ops
-from api_schemas.tinker.custom_loss import CustomLossProgram, ProgramNode, check_custom_inputs, decode_float
+from api_schemas.tinker.custom_loss import (
+    CustomLossProgram,
+    ProgramNode,
+    check_custom_inputs,
+    decode_float,
+)
 from workers.engine.errors import UserJobError
 
 MAX_ELEMENTS = ops.MAX_ELEMENTS
@@ -35,6 +41,8 @@ _DTYPES = {name: getattr(torch, name) for name in ops.DTYPES}
 # bigger than their operands, so they run for real and are counted afterwards.
 _DATA_DEPENDENT = frozenset({"operator.getitem", "torch.masked_select", "masked_select"})
 _SCALARS = (bool, int, float)
+MAX_PIECES = 4096  # tensors one split / chunk / unbind may return (each is a Python object)
+_PIECES = frozenset({"split", "torch.functional.split", "chunk", "torch.chunk", "unbind", "torch.unbind"})
 
 
 class CustomLossError(UserJobError):
@@ -109,6 +117,8 @@ class Interpreter:
         where = self._where(node)
         args = [self._decode(a, env, where) for a in node.args]
         kwargs = {k: self._decode(v, env, where) for k, v in node.kwargs.items()}
+        if any(k in ops.FORBIDDEN_KWARGS and v is not None and v is not False for k, v in kwargs.items()):
+            raise CustomLossError(f"{where}: keyword arguments {sorted(ops.FORBIDDEN_KWARGS)} are not allowed")
         if node.op == "call_method":
             if node.target not in ops.METHODS:
                 raise CustomLossError(f"{where}: method not allowed")
@@ -135,12 +145,16 @@ class Interpreter:
                 _check_getitem(where, args)
         if node.target in ops.FACTORIES:
             kwargs["device"] = self.device
+        if "device" in kwargs:
+            kwargs["device"] = self.device
+        if node.target in _PIECES:
+            _check_pieces(where, node.target, args, kwargs)
         tensor_op = any(isinstance(t, torch.Tensor) for t in _flat([args, kwargs])) or node.target in ops.FACTORIES
         sized = tensor_op and self._size_check(node, where, fn, call_args, kwargs,
                                                args[0] if node.op == "call_method" else None)
         try:
             out = fn(*call_args, **kwargs)
-        except Exception as e:  # noqa: BLE001 - any failure of the user's math is the user's
+        except Exception as e:
             raise CustomLossError(f"{where}: {type(e).__name__}: {_short(e)}") from e
         if tensor_op and not sized:  # a data-dependent op: never bigger than its operands, counted now
             self.budget.charge(where, out)
@@ -160,14 +174,14 @@ class Interpreter:
                     out = getattr(_meta(self_), node.target)(*meta_args, **meta_kwargs)
                 else:
                     out = fn(*meta_args, **meta_kwargs)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             if node.target in _DATA_DEPENDENT:
                 return False
             raise CustomLossError(f"{where}: {type(e).__name__}: {_short(e)}") from e
         self.budget.charge(where, out)
         return True
 
-    def _decode(self, arg: Any, env: dict[str, Any], where: str) -> Any:  # noqa: C901
+    def _decode(self, arg: Any, env: dict[str, Any], where: str) -> Any:
         if arg is None or isinstance(arg, (bool, int, float, str)):
             return arg
         if isinstance(arg, list):
@@ -239,9 +253,38 @@ def _meta(value: Any) -> Any:
 
 
 def _getattr(where: str, args: list[Any], kwargs: dict[str, Any]) -> Any:
-    if len(args) != 2 or kwargs or not isinstance(args[0], torch.Tensor) or args[1] not in ops.ATTRIBUTES:
-        raise CustomLossError(f"{where}: getattr may only read {sorted(ops.ATTRIBUTES)} of a tensor")
-    return getattr(args[0], args[1])
+    if len(args) == 2 and not kwargs:
+        obj, attr = args
+        if isinstance(obj, torch.Tensor) and attr in ops.TENSOR_ATTRIBUTES:
+            return getattr(obj, attr)
+        # the named tuples of torch.return_types (max, sort, topk, ...): tuples with fixed field names
+        if isinstance(obj, tuple) and type(obj).__module__ == "torch.return_types" and attr in ops.RESULT_FIELDS:
+            return getattr(obj, attr)
+    raise CustomLossError(f"{where}: getattr may only read {sorted(ops.TENSOR_ATTRIBUTES)} of a tensor, or "
+                          f"{sorted(ops.RESULT_FIELDS)} of a reduction's result")
+
+
+def _check_pieces(where: str, target: str, args: list[Any], kwargs: dict[str, Any]) -> None:
+    """split / chunk / unbind return one tensor per piece: bound their number before making them (on meta too)."""
+    x, *rest = args
+    if not isinstance(x, torch.Tensor):
+        return  # torch itself refuses
+    kind = target.rsplit(".", 1)[-1]
+    dim = kwargs.get("dim", rest[0] if kind == "unbind" and rest else rest[1] if kind != "unbind" and len(rest) > 1 else 0)
+    try:
+        length = x.shape[dim] if isinstance(dim, int) else x.numel()
+    except IndexError:
+        return  # torch itself refuses
+    if kind == "unbind":
+        count = length
+    elif kind == "chunk":
+        chunks = kwargs.get("chunks", rest[0] if rest else 1)
+        count = min(chunks, length) if isinstance(chunks, int) else length
+    else:
+        size = kwargs.get("split_size_or_sections", kwargs.get("split_size", rest[0] if rest else None))
+        count = len(size) if isinstance(size, (list, tuple)) else -(-length // size) if isinstance(size, int) and size > 0 else 0
+    if count > MAX_PIECES:
+        raise CustomLossError(f"{where}: {count} pieces; split, chunk and unbind may make at most {MAX_PIECES}")
 
 
 def _check_to(where: str, args: list[Any], kwargs: dict[str, Any]) -> None:
