@@ -50,8 +50,6 @@ class CustomLossError(UserJobError):
 
 
 def _resolve(name: str) -> Callable[..., Any]:
-    if name == "getattr":
-        return getattr
     root, *path = name.split(".")
     obj: Any = {"torch": torch, "operator": operator, "math": math}[root]
     for part in path:
@@ -61,7 +59,8 @@ def _resolve(name: str) -> Callable[..., Any]:
 
 
 # Resolved once from the static allowlist (trusted names), never from request data.
-FUNCTIONS: dict[str, Callable[..., Any]] = {name: _resolve(name) for name in sorted(ops.FUNCTIONS)}
+# `getattr` is not among them: the interpreter's own _getattr reads only the allowlisted attributes.
+FUNCTIONS: dict[str, Callable[..., Any]] = {name: _resolve(name) for name in sorted(ops.FUNCTIONS - {"getattr"})}
 
 
 @dataclass
@@ -130,11 +129,11 @@ class Interpreter:
             fn: Callable[..., Any] = getattr(self_, node.target)
             call_args: list[Any] = rest
         else:
+            if node.target == "getattr":
+                return _getattr(where, args, kwargs)
             if node.target not in FUNCTIONS:
                 raise CustomLossError(f"{where}: function not allowed")
             fn, call_args = FUNCTIONS[node.target], args
-            if node.target == "getattr":
-                return _getattr(where, args, kwargs)
             if node.target.startswith("math."):  # numbers only: math on a tensor would leave autograd
                 return _number_op(where, node.target, fn, args, kwargs)
             if node.target in ops.NUMERIC_OPERATORS:

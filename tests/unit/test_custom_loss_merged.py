@@ -1,0 +1,74 @@
+"""Custom losses in the trainer's merged step: a custom loss equal to weighted cross-entropy gives the same
+gradient as cross_entropy, and a custom loss that blows its size budget or is not finite fails only its own job."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from tinker.proto import tinker_public_pb2 as pb
+
+from api_schemas.jobs import ForwardBackward, Job
+from tests.unit.engine_jobs import fb, job, loss_of, random_rows
+from tests.unit.test_custom_loss import program
+from tests.unit.test_merged import MODELS, _grads, _rel, _step, _trainer
+
+
+def weighted_ce(logprobs, weights):  # type: ignore[no-untyped-def]
+    return -(logprobs * weights).sum(), {"custom/tokens:sum": (weights != 0).sum().float()}
+
+
+def bomb(logprobs, weights):  # type: ignore[no-untyped-def]
+    return logprobs.repeat(10**5, 10**5).sum(), {}
+
+
+def not_finite(logprobs, weights):  # type: ignore[no-untyped-def]
+    return (logprobs / 0.0).sum(), {}
+
+
+def as_custom(plain: Job, fn) -> Job:  # type: ignore[no-untyped-def]
+    """The same datums as a cross_entropy job, run by `fn` as a server-side custom loss."""
+    assert isinstance(plain.payload, ForwardBackward)
+    prog = program(fn, {"logprobs": 1, "weights": 1}, loss_id=f"custom-loss-{fn.__name__}")
+    msg = pb.ForwardBackwardRequest.FromString(plain.payload.request_pb)
+    msg.loss_fn = "custom"
+    msg.loss_fn_config_v2["loss_id"].text = prog.loss_id
+    payload = ForwardBackward(request_pb=msg.SerializeToString(), forward_only=False, custom_loss=prog)
+    return job(plain.model_id, plain.seq_id, payload)
+
+
+def test_custom_losses_in_a_merged_step(tiny_model_dir: Path, tmp_path: Path) -> None:
+    t = _trainer(tiny_model_dir, tmp_path, "float64")
+    rng = np.random.default_rng(4)
+    plain = {m: fb(m, 3, random_rows(rng, 3, 4, 14)) for m, _, _ in MODELS}
+    solo = {}
+    for m in ("a", "d"):
+        r = t.execute(plain[m])
+        assert r.ok, r.error
+        solo[m] = (loss_of(r.body), _grads(t, m))
+    jobs = [as_custom(plain["a"], weighted_ce), as_custom(plain["b"], bomb), as_custom(plain["c"], not_finite),
+            plain["d"]]
+    results = {r.job_id: r for r in _step(t, jobs)}
+    a, b, c, d = (results[j.job_id] for j in jobs)
+    assert a.ok and d.ok, (a.error, d.error)
+    assert loss_of(a.body) == pytest.approx(solo["a"][0], rel=1e-9)
+    assert _rel(_grads(t, "a"), solo["a"][1]) < 1e-9  # custom == cross_entropy, in the merged pass too
+    assert _rel(_grads(t, "d"), solo["d"][1]) < 1e-9  # the other tenants are untouched
+    tokens = pb.ForwardBackwardOutput.FromString(a.body).metrics["custom/tokens:sum"]
+    assert tokens == sum(len(d.model_input[0].encoded_text.tokens) // 4
+                         for d in pb.ForwardBackwardRequest.FromString(plain["a"].payload.request_pb).data)
+    for r, why in ((b, "exceeds the limit"), (c, "not finite")):
+        assert not r.ok and r.error is not None and r.error.category.value == "user" and why in r.error.message
+    assert all(g is None for g in t.pool.get("b").grads) and all(g is None for g in t.pool.get("c").grads)
+
+
+def test_a_job_without_its_graph_fails_as_the_users(tiny_model_dir: Path, tmp_path: Path) -> None:
+    t = _trainer(tiny_model_dir, tmp_path, "float32")
+    custom = as_custom(fb("a", 3, [[5, 6, 7, 8]]), weighted_ce)
+    assert isinstance(custom.payload, ForwardBackward)
+    stripped = job("a", 3, ForwardBackward(request_pb=custom.payload.request_pb, forward_only=False))
+    r = t.execute(stripped)
+    assert not r.ok and r.error is not None and r.error.category.value == "user" and "no graph" in r.error.message
+    assert torch.isfinite(torch.tensor(loss_of(t.execute(fb("a", 4, [[5, 6, 7, 8]])).body)))
