@@ -106,8 +106,10 @@ def main() -> None:
     ap.add_argument("--prefix", help=argparse.SUPPRESS)
     ap.add_argument("--work-file", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.role == "worker":
-        asyncio.run(worker(args.redis_url, args.prefix, Path(args.work_file)))
+    if args.role == "worker":  # on the loop `twinkle-server worker` runs on
+        from deploy.loop import run_loop
+
+        run_loop(worker(args.redis_url, args.prefix, Path(args.work_file)))
         return
 
     tmp = Path(tempfile.mkdtemp(prefix="twinkle-bench-"))

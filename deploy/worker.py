@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 from api_schemas.jobs import queue_name
 from api_schemas.models import ServedModel
 from deploy.cluster import redis_queue
+from deploy.loop import run_loop
 from jobqueue.base import LeaseLost
 from jobqueue.redis_queue import RedisQueue
 from server.config import Settings
@@ -100,4 +101,4 @@ def main(settings: Settings, lanes: tuple[str, ...] = LANES) -> int:
     from deploy.embedded import build_trainer
 
     served, trainer, store = build_trainer(settings)
-    return asyncio.run(serve_worker(settings, served, trainer, store, lanes))
+    return run_loop(serve_worker(settings, served, trainer, store, lanes))
