@@ -39,7 +39,8 @@ def _serve(args: argparse.Namespace) -> int:
         from deploy.embedded import build_embedded_app
 
         app = build_embedded_app(settings)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower())
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
+                access_log=settings.access_log)
     return 0
 
 
@@ -152,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--device")
     serve.add_argument("--sampler", choices=["torch", "vllm"], help="sampler backend (default torch)")
     serve.add_argument("--log-level", dest="log_level")
+    serve.add_argument("--access-log", dest="access_log", action="store_const", const=True,
+                       help="log one line per HTTP request (TWINKLE_ACCESS_LOG; default off)")
     serve.add_argument("--redis-url", dest="redis_url", help="use the Redis queue (cluster wiring)")
     serve.add_argument("--with-worker", dest="gateway_runs_worker", action="store_const", const=True,
                        help="with Redis: also run the base model's trainer in this process")

@@ -194,7 +194,7 @@ def serve_ray(settings: Settings, config: RayAppConfig, address: str | None, dep
         ray.shutdown()  # the application lives on in the cluster; the gateway needs only Redis and SQL
     try:
         uvicorn.run(build_ray_gateway_app(settings), host=settings.host, port=settings.port,
-                    log_level=settings.log_level.lower())
+                    log_level=settings.log_level.lower(), access_log=settings.access_log)
     finally:
         if owns_cluster:
             import ray

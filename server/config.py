@@ -40,6 +40,9 @@ class Settings(BaseSettings):
     max_lora_rank: int = Field(128, gt=0)
     auth_cache_seconds: float = Field(5.0, ge=0)  # a revoked key stops working within this many seconds
     log_level: str = "INFO"
+    # One log line per HTTP request (uvicorn's access log). Off by default: the SDK's long-polls and heartbeats
+    # make it a stream of lines, and its synchronous writes cost the gateway CPU on every request.
+    access_log: bool = False
 
     # cluster wiring (redis_url set): see jobqueue/redis_queue.py and deploy/worker.py
     redis_prefix: str = "twinkle"  # every Redis key starts with it (jobqueue/keys.py)
