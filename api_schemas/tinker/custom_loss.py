@@ -318,6 +318,12 @@ def check_custom_inputs(program: CustomLossProgram, shapes: Sequence[Mapping[str
 
     `logprobs` has the shape of `target_tokens`. On the wire a rank-0 value travels as one value with no shape,
     so it arrives as shape (1,)."""
+    runs = len(program.nodes) * len(shapes)
+    if runs > ops.MAX_NODE_RUNS:
+        raise ValueError(
+            f"custom loss {program.name!r}: {len(program.nodes)} nodes x {len(shapes)} datums is over the limit of "
+            f"{ops.MAX_NODE_RUNS} node runs per request; send fewer datums per request"
+        )
     logprobs, *inputs = program.inputs
     for i, datum in enumerate(shapes):
         for declared, key in [(logprobs, "target_tokens"), *((x, x.name) for x in inputs)]:

@@ -5,9 +5,10 @@ A graph node names a function by the qualified name torch.fx gives it (what the 
 tensor math whose cost grows with the size of its operands and result: elementwise functions, reductions,
 shape functions, a few losses of torch.nn.functional, and factories whose size the worker checks before
 allocating. Left out on purpose: anything that reads or writes files, processes or modules, in-place operations,
-uninitialised memory (`empty*`), random numbers, device moves, and matrix products (their cost grows faster than
-their result). The worker resolves each name to its callable (`workers/engine/custom_loss.py`) and a unit test
-checks that every name resolves and round-trips through torch.fx's naming.
+uninitialised memory (`empty*`), random numbers, device moves, and matrix products and norms (their cost grows
+faster than their result: a matrix norm runs an SVD). The worker resolves each name to its callable
+(`workers/engine/custom_loss.py`) and a unit test checks that every name resolves and round-trips through
+torch.fx's naming.
 """
 
 from __future__ import annotations
@@ -35,10 +36,13 @@ _TORCH_ONLY = (
     "arange linspace"
 ).split()
 
+ELEMENTWISE: tuple[str, ...] = tuple(_ELEMENTWISE)  # the worker sizes these by broadcasting their operands
+REDUCTIONS: tuple[str, ...] = tuple(_REDUCTIONS)  # ... and these as no bigger than their one operand
+
 # call_function targets.
 FUNCTIONS: frozenset[str] = frozenset(
     [f"torch.{n}" for n in (*_ELEMENTWISE, *_REDUCTIONS, *_SHAPES, *_TORCH_ONLY)]
-    + ["torch.functional.norm", "torch.functional.split"]
+    + ["torch.functional.split"]
     + [
         f"torch.nn.functional.{n}"
         for n in (
@@ -68,7 +72,7 @@ ATTRIBUTES: frozenset[str] = TENSOR_ATTRIBUTES | RESULT_FIELDS
 
 # call_method targets: tensor methods.
 METHODS: frozenset[str] = frozenset(
-    [*_ELEMENTWISE, *_REDUCTIONS, *_SHAPES, "norm", "split"]
+    [*_ELEMENTWISE, *_REDUCTIONS, *_SHAPES, "split"]
     + (
         "view view_as reshape_as expand expand_as repeat contiguous type_as float double half bfloat16 long int "
         "bool to size dim numel new_zeros new_ones new_full"
@@ -87,6 +91,9 @@ FACTORIES: frozenset[str] = frozenset(
 # gateway already rejects a factory whose constant size is over the first.
 MAX_ELEMENTS = 1 << 24  # one intermediate tensor (64 MiB of float32)
 MAX_TOTAL_ELEMENTS = 1 << 27  # every intermediate of one job, all datums together
+# Node executions per job (nodes x datums): each costs ~0.1 ms of the worker's Python, whatever the tensor sizes,
+# and one job's step is every merged tenant's wait. The gateway refuses a request over it before queueing.
+MAX_NODE_RUNS = 1 << 16
 
 # Keyword arguments no node may pass: `out` writes into an existing tensor (an input, say), `requires_grad` makes
 # new leaves, `pin_memory` and `generator` reach outside pure math.

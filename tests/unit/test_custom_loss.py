@@ -19,6 +19,7 @@ from api_schemas.tinker.custom_loss import (
     CreateCustomLossRequest,
     CustomLossProgram,
     CustomLossRejected,
+    check_custom_inputs,
     validate_custom_loss,
 )
 from workers.engine.custom_loss import FUNCTIONS, CustomLossError, run_custom_loss
@@ -53,7 +54,7 @@ def shapes(logprobs, w):  # type: ignore[no-untyped-def]
     mx = logprobs.max(dim=0)[0] + torch.amax(w) * 0
     masked = logprobs[w > 0].sum()
     loss = (both.square().mean() + st[0].unsqueeze(0).sum() * 0.1 + (pos * logprobs).sum() + cum.mean()
-            + (ones * logprobs).std() + logprobs.var() + torch.norm(logprobs) + top + mx + masked
+            + (ones * logprobs).std() + logprobs.var() + logprobs.square().sum().sqrt() + top + mx + masked
             + n ** 0.5)
     return loss, {"custom/masked:sum": masked}
 
@@ -246,6 +247,24 @@ def test_static_check_of_sdk_graphs() -> None:
     bad_metric.graph.nodes[-1].args[0]["tuple"][1]["dict"]["loss:sum"] = {"ref": "neg"}
     with pytest.raises(CustomLossRejected, match="custom/<name>"):
         validate_custom_loss(bad_metric, "x")
+
+
+def test_superlinear_ops_and_too_many_node_runs_are_refused() -> None:
+    def nuclear(logprobs):  # type: ignore[no-untyped-def]
+        return torch.norm(logprobs.reshape(2, -1), p="nuc"), {}  # an SVD
+
+    def matmul(logprobs):  # type: ignore[no-untyped-def]
+        m = logprobs.reshape(2, -1)
+        return (m @ m.T).sum(), {}
+
+    for fn, target in ((nuclear, "torch.functional.norm"), (matmul, "operator.matmul")):
+        with pytest.raises(CustomLossRejected, match=target):
+            program(fn, RANK1)
+    prog = program(dpo, CASES["dpo"][1])
+    shapes = {"target_tokens": (3,), "ref": (3,), "chosen": (3,), "rejected": (3,)}
+    check_custom_inputs(prog, [shapes] * (ops.MAX_NODE_RUNS // len(prog.nodes)))
+    with pytest.raises(ValueError, match="node runs per request"):
+        check_custom_inputs(prog, [shapes] * (ops.MAX_NODE_RUNS // len(prog.nodes) + 1))
 
 
 def test_allowlist_names_resolve_and_match_torch_fx_naming() -> None:
