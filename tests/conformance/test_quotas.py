@@ -22,7 +22,8 @@ from tests.unit.engine_jobs import fb
 def limited(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     # short long-polls, so a held request is seen as held instead of waited for
     srv = ServerProcess(tmp_path_factory.mktemp("quota-server"), str(tiny_model_dir),
-                        env={"TWINKLE_LONG_POLL_SECONDS": "1", "TWINKLE_QUOTA_CACHE_SECONDS": "0"})
+                        env={"TWINKLE_LONG_POLL_SECONDS": "1", "TWINKLE_QUOTA_CACHE_SECONDS": "0",
+                             "TWINKLE_ACCESS_LOG": "true"})  # the 429s are checked in the access log
     srv.key_q = srv.create_key("q")  # type: ignore[attr-defined]
     srv.key_s = srv.create_key("s")  # type: ignore[attr-defined]
     cli("tenants", "set-quota", "q", "--tokens-per-minute", "600", "--max-models", "1", data_dir=srv.data_dir)
