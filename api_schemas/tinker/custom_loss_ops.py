@@ -91,9 +91,10 @@ FACTORIES: frozenset[str] = frozenset(
 # gateway already rejects a factory whose constant size is over the first.
 MAX_ELEMENTS = 1 << 24  # one intermediate tensor (64 MiB of float32)
 MAX_TOTAL_ELEMENTS = 1 << 27  # every intermediate of one job, all datums together
-# Node executions per job (nodes x datums): each costs ~0.1 ms of the worker's Python, whatever the tensor sizes,
-# and one job's step is every merged tenant's wait. The gateway refuses a request over it before queueing.
-MAX_NODE_RUNS = 1 << 16
+# Node executions per job (nodes x datums): each costs 15-80 us of the worker's Python whatever the tensor sizes,
+# and one job's step is every merged tenant's wait. 2**17: a 128-node loss on a full SDK chunk of 1024 datums.
+# The gateway refuses a request over it before queueing.
+MAX_NODE_RUNS = 1 << 17
 
 # Keyword arguments no node may pass: `out` writes into an existing tensor (an input, say), `requires_grad` makes
 # new leaves, `pin_memory` and `generator` reach outside pure math.
