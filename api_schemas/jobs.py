@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 from enum import Enum
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -85,6 +85,19 @@ class Skip(_Frozen):
     reason: str
 
 
+class ReleaseModel(_Frozen):
+    """Frees a model whose client session ended: its adapter leaves the worker and its recovery state the queue.
+
+    Not part of the model's seq_id order: it runs once every job queued before it has run (its seq_id is
+    RELEASE_SEQ). Jobs of the model that arrive afterwards fail at once."""
+
+    kind: Literal["release_model"] = "release_model"
+    reason: str
+
+
+RELEASE_SEQ = -1  # Job.seq_id of a ReleaseModel
+
+
 class WeightsRef(_Frozen):
     """One immutable weight version a sampler serves: a PEFT adapter folder in the checkpoint store.
 
@@ -124,7 +137,8 @@ class Sample(_Frozen):
 
 
 Payload = Annotated[
-    Union[CreateModel, ForwardBackward, OptimStep, SaveWeights, LoadWeights, Skip, Sample], Field(discriminator="kind")
+    CreateModel | ForwardBackward | OptimStep | SaveWeights | LoadWeights | Skip | ReleaseModel | Sample,
+    Field(discriminator="kind"),
 ]
 
 

@@ -116,5 +116,10 @@ class JobQueue(abc.ABC):
         Returns the storage key of the snapshot it replaces (to delete), if any."""
         return None
 
-    async def close(self) -> None:  # noqa: B027 - optional hook
+    async def forget_model(self, model_id: str) -> list[str]:
+        """Drop a released model's durable state (last seq_id, replay log, snapshot record); returns the storage
+        keys of the snapshots it recorded, for the caller to delete. Raises LeaseLost without the lease."""
+        return []
+
+    async def close(self) -> None:
         pass

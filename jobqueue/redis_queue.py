@@ -257,6 +257,19 @@ class RedisQueue(JobQueue):
             raise LeaseLost(f"lease of {base.queue_name} was lost")
         return drop.decode() or None
 
+    async def forget_model(self, model_id: str) -> list[str]:
+        base = self._consumers.get(self._queue_of.get(model_id, ""))
+        if base is None or not base.held:
+            raise LeaseLost("no lease held: a model may only be released by the worker running its queue")
+        k = self.keys
+        key = await self._s["FORGET"](
+            keys=[k.snapshot(model_id), k.oplog(model_id), k.last_seq(model_id), base.lease_key], args=[base.token]
+        )
+        if key == -1:
+            raise LeaseLost(f"lease of {base.queue_name} was lost")
+        self._queue_of.pop(model_id, None)
+        return [key.decode()] if key else []
+
     async def release(self) -> None:
         """Give up every lease now (a clean shutdown), so a successor need not wait for it to expire."""
         for c in self._consumers.values():

@@ -6,6 +6,7 @@ complete store the result bytes, wake waiters (PUBLISH), record the seq/replay l
          all fenced by the worker's lease token: a worker that lost its lease changes nothing.
 deliver  read a result and, on its first delivery, extend its life by the result TTL.
 snapshot record a newer durable snapshot of a model and drop the replay log it covers.
+forget   drop a released model's durable state (replay log, last seq_id, snapshot record).
 renew / release  keep or give up a lease only while holding it.
 """
 
@@ -101,6 +102,15 @@ if old[1] and tonumber(old[1]) >= tonumber(ARGV[2]) then return {0, ARGV[3]} end
 redis.call('HSET', KEYS[1], 'seq', ARGV[2], 'key', ARGV[3])
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', ARGV[2])
 return {1, old[2] or ''}
+"""
+
+FORGET = """
+-- KEYS: snapshot, oplog, last seq, lease.  ARGV: token.  Returns the snapshot's storage key ('' if none); -1 when
+-- this worker does not hold the lease.
+if redis.call('GET', KEYS[4]) ~= ARGV[1] then return -1 end
+local key = redis.call('HGET', KEYS[1], 'key')
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
+return key or ''
 """
 
 RENEW = """

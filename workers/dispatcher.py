@@ -9,6 +9,9 @@ A job is acknowledged together with its result (`queue.complete`), after it ran;
 that leaves the job to be redelivered to its successor. The first time this worker meets a model that already
 ran elsewhere, `Recovery` rebuilds its adapter (snapshot + replay of acknowledged jobs) and the model's line
 resumes after its last acknowledged seq_id, so every acknowledged job takes effect exactly once.
+
+A ReleaseModel job (queued by the gateway once the model's session has ended) drops the adapter, then the model's
+durable state in the queue and its snapshot files; run twice (a redelivery), it finds nothing left to drop.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol, runtime_checkable
 
-from api_schemas.jobs import ErrorCategory, Job, JobError, JobResult
+from api_schemas.jobs import ErrorCategory, Job, JobError, JobResult, ReleaseModel
 from jobqueue.base import JobQueue, LeaseLost
 from workers.recovery import Recovery
 from workers.scheduler import JobSize, Scheduler, Step
@@ -90,7 +93,7 @@ class Dispatcher:
                 continue
             now = time.monotonic()
             for job in jobs:
-                if job.model_id not in self._known:
+                if job.model_id not in self._known and not isinstance(job.payload, ReleaseModel):
                     await self._recover(job.model_id)
                 rejection = self.scheduler.add(job, now)
                 if rejection is not None:
@@ -135,6 +138,9 @@ class Dispatcher:
         except Exception:  # execute() reports its own failures; this guards the loop itself
             log.exception("executing %s failed", job.job_id)
             result = _server_error(job)
+        if isinstance(job.payload, ReleaseModel):
+            await self._release(job, result)
+            return
         rec = self.recovery
         await self._complete(result, job, replay=rec is not None and rec.mutates(job, result))
         if rec is not None and rec.wants_snapshot(job, result):
@@ -156,6 +162,18 @@ class Dispatcher:
                 log.warning("acknowledging %s failed; retrying", result.job_id, exc_info=True)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
+
+    async def _release(self, job: Job, result: JobResult) -> None:
+        """After the engine dropped the adapter: forget the model's durable state, then acknowledge (no seq_id of
+        the model is consumed). A crash in between redelivers the release, which then has less to do."""
+        self._known.discard(job.model_id)
+        if result.ok:
+            snapshots = await self.queue.forget_model(job.model_id)
+            if self.recovery is not None:
+                loop = asyncio.get_running_loop()
+                await loop.run_in_executor(self._executor, self.recovery.forget, job.model_id, snapshots)
+            log.info("released %s (%s)", job.model_id, job.payload.reason)  # type: ignore[union-attr]
+        await self._complete(result)
 
     async def _recover(self, model_id: str) -> None:
         delay = 0.1

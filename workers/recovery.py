@@ -14,7 +14,14 @@ import logging
 import re
 import uuid
 
-from api_schemas.jobs import CreateModel, ForwardBackward, Job, JobResult, LoadWeights, OptimStep
+from api_schemas.jobs import (
+    CreateModel,
+    ForwardBackward,
+    Job,
+    JobResult,
+    LoadWeights,
+    OptimStep,
+)
 from jobqueue.base import RecoveryState
 from workers.checkpoints.store import CheckpointStore
 from workers.engine.trainer import Trainer
@@ -68,6 +75,12 @@ class Recovery:
 
     def discard(self, storage_key: str) -> None:
         self.store.delete(storage_key)
+
+    def forget(self, model_id: str, snapshot_keys: list[str]) -> None:
+        """The model was released: delete its snapshots and its step count."""
+        self._steps.pop(model_id, None)
+        for key in snapshot_keys:
+            self.discard(key)
 
     def rebuild(self, state: RecoveryState) -> int:
         """Restore the model from its snapshot plus the replay of the logged jobs; returns how many were replayed."""

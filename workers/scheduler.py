@@ -16,6 +16,9 @@ served, in virtual time); a job of tenant t starts at S = max(F_t, V), where V i
 recently picked, and the candidate with the smallest S is picked next. A tenant that sends a huge batch advances
 its own tag by that many tokens, so a small tenant's next job is picked before the huge tenant's next one; a
 tenant returning from idle starts at V, never with banked credit.
+
+A ReleaseModel job (the model's session ended) stands outside the seq order: it runs once nothing of its model is
+queued any more, and the model's line goes with it. Later jobs of a released model are rejected at once.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from api_schemas.jobs import ForwardBackward, Job
+from api_schemas.jobs import ForwardBackward, Job, ReleaseModel
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,7 @@ class _Entry:
 class _Line:
     next_seq: int
     pending: dict[int, _Entry] = field(default_factory=dict)
+    release: Job | None = None  # a ReleaseModel waiting for the line to empty
 
     def head(self) -> _Entry | None:
         return self.pending.get(self.next_seq)
@@ -80,6 +84,7 @@ def _unit_size(job: Job) -> JobSize:
 
 class Scheduler:
     max_barriers_in_a_row = 8
+    max_remembered_releases = 100_000  # released model ids kept to reject their late jobs (oldest forgotten first)
 
     def __init__(
         self, gap_timeout: float, token_budget: int = 16384, measure: Callable[[Job], JobSize] | None = None
@@ -91,9 +96,18 @@ class Scheduler:
         self._finish: dict[str, float] = {}  # tenant -> finish tag (virtual tokens served)
         self._vtime = 0.0
         self._barriers_in_a_row = 0
+        self._released: dict[str, None] = {}  # insertion-ordered set
 
     def add(self, job: Job, now: float) -> Rejection | None:
+        if job.model_id in self._released:
+            return Rejection(job, f"model {job.model_id} was released when its session ended")
         line = self._lines.get(job.model_id)
+        if isinstance(job.payload, ReleaseModel):
+            line = self._lines.setdefault(job.model_id, _Line(next_seq=0))
+            if line.release is not None:
+                return Rejection(job, f"model {job.model_id} is already being released")
+            line.release = job
+            return None
         if line is None:
             line = self._lines[job.model_id] = _Line(next_seq=0)
         if job.seq_id < line.next_seq:
@@ -118,15 +132,31 @@ class Scheduler:
         for line in self._lines.values():
             while line.next_seq in line.pending:
                 ready.append(line.pop_head())
+        while (release := self._pop_release()) is not None:
+            ready.append(release)
         return ready
 
     def has_ready(self, now: float) -> bool:
         self._skip_gaps(now)
-        return any(line.next_seq in line.pending for line in self._lines.values())
+        return any(line.next_seq in line.pending or (line.release and not line.pending) for line in self._lines.values())
+
+    def _pop_release(self) -> Job | None:
+        """A release whose model has nothing queued any more; the model's line ends with it."""
+        for model_id, line in self._lines.items():
+            if line.release is not None and not line.pending:
+                del self._lines[model_id]
+                self._released[model_id] = None
+                if len(self._released) > self.max_remembered_releases:
+                    del self._released[next(iter(self._released))]
+                return line.release
+        return None
 
     def next_step(self, now: float) -> Step | None:
         """The next step to run, or None when every line waits for a missing seq_id (or is empty)."""
         self._skip_gaps(now)
+        release = self._pop_release()
+        if release is not None:
+            return Step((release,), merged=False)
         heads = [(line, e) for line in self._lines.values() if (e := line.head()) is not None]
         if not heads:
             return None

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import datetime
-from typing import Sequence
 
-from sqlalchemy import func, select
+from sqlalchemy import func, or_, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from server.db.models import ApiKeyRow, CheckpointRow, ModelRow, SamplingSessionRow, SessionRow, TenantRow, utcnow
+from server.db.models import (
+    ApiKeyRow,
+    CheckpointRow,
+    ModelRow,
+    SamplingSessionRow,
+    SessionRow,
+    TenantRow,
+    utcnow,
+)
 
 
 # --- tenants and keys ---
@@ -108,3 +116,22 @@ async def sampler_checkpoints_of(s: AsyncSession, tenant_id: str) -> Sequence[Ch
         CheckpointRow.tenant_id == tenant_id, CheckpointRow.kind == "sampler_weights", CheckpointRow.status == "ready"
     ).order_by(CheckpointRow.id)
     return (await s.execute(q)).scalars().all()
+
+
+async def models_to_release(s: AsyncSession, stale_before: datetime, limit: int) -> Sequence[ModelRow]:
+    """Unreleased models whose client session finished or sent no heartbeat since `stale_before`."""
+    q = (
+        select(ModelRow)
+        .join(SessionRow, SessionRow.id == ModelRow.session_id)
+        .where(ModelRow.released_at.is_(None),
+               or_(SessionRow.finished_at.is_not(None), SessionRow.last_heartbeat_at < stale_before))
+        .order_by(ModelRow.created_at)
+        .limit(limit)
+    )
+    return (await s.execute(q)).scalars().all()
+
+
+async def mark_released(s: AsyncSession, model_id: str, when: datetime) -> None:
+    row = await s.get(ModelRow, model_id)
+    if row is not None and row.released_at is None:
+        row.released_at = when

@@ -1,6 +1,6 @@
 """The gateway's maintenance loop, started in the app lifespan: expire checkpoints past their TTL (files and rows),
-settle saves whose future nobody collected, start the auto-pushes of finished runs, and reclaim ephemeral sampler
-weights nobody can use any more.
+settle saves whose future nobody collected, start the auto-pushes of finished runs, reclaim ephemeral sampler
+weights nobody can use any more, and release the models of ended sessions (server/services/release.py).
 
 Every step is idempotent, so several gateways of a cluster may run the loop side by side.
 """
@@ -11,7 +11,7 @@ import asyncio
 import logging
 
 from server.services import checkpoints as ckpt
-from server.services import hub_push, sampling
+from server.services import hub_push, release, sampling
 from server.services.context import Context
 
 log = logging.getLogger(__name__)
@@ -25,7 +25,9 @@ async def run_maintenance(ctx: Context) -> None:
 
 
 async def maintain_once(ctx: Context) -> None:
-    for step in (ckpt.sweep_expired, ckpt.settle_pending, hub_push.trigger_auto_pushes, sampling.reclaim_ephemeral):
+    steps = (ckpt.sweep_expired, ckpt.settle_pending, hub_push.trigger_auto_pushes, sampling.reclaim_ephemeral,
+             release.release_ended_models)
+    for step in steps:
         try:
             await step(ctx)
         except Exception:  # one failing step must not stop the others, nor the next round

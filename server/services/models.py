@@ -16,7 +16,7 @@ from api_schemas.tinker.types import (
 )
 from server.db import repositories as repo
 from server.db.models import ModelRow
-from server.errors import BadRequest, NotFound
+from server.errors import BadRequest, Gone, NotFound
 from server.services.context import Context
 from server.services.sessions import live_session
 
@@ -38,6 +38,9 @@ async def owned_model(ctx: Context, tenant_id: str, model_id: str) -> ModelRow:
             ctx.model_rows[model_id] = row
     if row is None or row.tenant_id != tenant_id:
         raise NotFound(f"model {model_id} not found")
+    if row.released_at is not None:
+        raise Gone(f"model {model_id} was released when its session ended; its saved checkpoints remain "
+                   "(create_training_client_from_state continues from one)")
     return row
 
 

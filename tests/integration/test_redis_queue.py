@@ -8,7 +8,17 @@ import uuid
 
 import pytest
 
-from api_schemas.jobs import AdamSpec, ErrorCategory, Job, JobError, JobResult, JobState, OptimStep, Skip, queue_name
+from api_schemas.jobs import (
+    AdamSpec,
+    ErrorCategory,
+    Job,
+    JobError,
+    JobResult,
+    JobState,
+    OptimStep,
+    Skip,
+    queue_name,
+)
 from jobqueue.base import CANCELLED, DuplicateJobMismatch, LeaseLost
 from jobqueue.redis_queue import RedisQueue
 
@@ -220,6 +230,32 @@ def test_replay_log_and_snapshots(redis_url: str, prefix: str) -> None:
         assert [j.seq_id for j in state.ops] == [4]
         assert await q.record_snapshot("m1", 4, "snap/b") == "snap/a"
         await q.close()
+
+    run(go())
+
+
+def test_a_released_model_leaves_no_durable_state_and_only_the_lease_holder_may_release(
+    redis_url: str, prefix: str
+) -> None:
+    async def go() -> None:
+        q = make(redis_url, prefix, lease_ttl=1.0)
+        for j in [job(seq=i) for i in range(3)]:
+            await q.submit(j)
+        for j in await q.fetch(Q, timeout=2):
+            await q.complete(ok(j), job=j, replay=True)
+        await q.record_snapshot("m1", 1, "snap/a")
+        stale = make(redis_url, prefix, lease_ttl=1.0)  # a worker that never held this queue's lease
+        stale._queue_of["m1"] = Q  # it believes it runs m1
+        with pytest.raises(LeaseLost):
+            await stale.forget_model("m1")
+        assert await q.recovery_state("m1") is not None
+        assert await q.forget_model("m1") == ["snap/a"]
+        assert await q.recovery_state("m1") is None
+        keys = q.keys
+        for key in (keys.oplog("m1"), keys.last_seq("m1"), keys.snapshot("m1")):
+            assert not await q.client.exists(key), key
+        for queue in (q, stale):
+            await queue.close()
 
     run(go())
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import numpy as np
 
-from api_schemas.jobs import Job, JobResult, queue_name
+from api_schemas.jobs import RELEASE_SEQ, Job, JobResult, ReleaseModel, queue_name
 from jobqueue.local_queue import LocalQueue
-from tests.unit.engine_jobs import create, fb, loss_of, optim, random_rows
+from tests.unit.engine_jobs import create, fb, job, loss_of, optim, random_rows
 from workers.checkpoints.store import CheckpointStore
 from workers.dispatcher import Dispatcher
 from workers.engine.base_model import BaseModel
@@ -79,3 +79,20 @@ def test_waiting_jobs_of_many_models_run_merged(tiny_model_dir: Path, tmp_path: 
     for m in models:
         for x, y in zip(merged.pool.get(m).params, solo.pool.get(m).params):
             assert (x - y).abs().max().item() < 1e-5, m
+
+
+def test_release_frees_the_model_after_its_queued_jobs_and_rejects_later_ones(tiny_model_dir: Path,
+                                                                              tmp_path: Path) -> None:
+    trainer = Trainer(BaseModel("tiny", tiny_model_dir), CheckpointStore(tmp_path))
+    rows = random_rows(np.random.default_rng(1), 2, 4, 8)
+    gone = job("m1", RELEASE_SEQ, ReleaseModel(reason="its client session ended"))
+    late = optim("m1", 3)
+    got = asyncio.run(_drive(trainer, [
+        [create("m1"), create("m2")],
+        [fb("m1", 1, rows), optim("m1", 2), gone, fb("m2", 1, rows)],  # the release comes after m1's jobs
+        [late, optim("m2", 2)],
+    ]))
+    assert all(r.ok for r in got.values() if r.job_id != late.job_id)
+    assert got[late.job_id].error is not None and "released" in got[late.job_id].error.message
+    assert "m1" not in trainer.pool.adapters and "m2" in trainer.pool.adapters
+    assert all("m1" not in layer.lora_A for layer in trainer.base.layers.values())

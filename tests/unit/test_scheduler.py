@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from api_schemas.jobs import AdamSpec, ForwardBackward, Job, OptimStep, Skip
+from api_schemas.jobs import (
+    RELEASE_SEQ,
+    AdamSpec,
+    ForwardBackward,
+    Job,
+    OptimStep,
+    ReleaseModel,
+    Skip,
+)
 from workers.scheduler import JobSize, Scheduler
 
 
@@ -169,3 +177,35 @@ def test_a_stream_of_barriers_delays_merged_work_by_a_bounded_number_of_steps() 
     s.add(fbjob("f", 1), now=1)
     steps = steps_of(s)
     assert steps.index(["f-1"]) == Scheduler.max_barriers_in_a_row
+
+
+def release(model: str) -> Job:
+    return Job(job_id=f"{model}-release", tenant_id="t", base_model="b", model_id=model, seq_id=RELEASE_SEQ,
+               payload=ReleaseModel(reason="test"), result_type="ReleaseModel")
+
+
+def test_release_runs_after_everything_queued_before_it_then_rejects_late_jobs() -> None:
+    s = Scheduler(gap_timeout=10)
+    s.add(job("m", 0), now=0)
+    s.add(job("m", 2), now=0)  # waits for seq 1, which never comes
+    s.add(job("other", 0), now=0)
+    assert s.add(release("m"), now=0) is None
+    assert s.add(release("m"), now=0) is not None  # a second release while one waits
+    order = [(j.model_id, j.seq_id) for j in s.pop_ready(now=0)]
+    assert order == [("m", 0), ("other", 0)]  # the release waits for seq 2, held back by the gap
+    assert s.has_ready(now=5) is False
+    step = s.next_step(now=10)  # the gap is skipped: seq 2 runs, then the release
+    assert step is not None and [j.seq_id for j in step.jobs] == [2]
+    step = s.next_step(now=10)
+    assert step is not None and [j.job_id for j in step.jobs] == ["m-release"] and not step.merged
+    assert s.next_step(now=10) is None and s.waiting() == 0
+    late = s.add(job("m", 3), now=11)
+    assert late is not None and "released" in late.reason
+    assert s.add(job("other", 1), now=11) is None  # other models go on
+
+
+def test_release_of_a_model_this_scheduler_never_saw_runs_at_once() -> None:
+    s = Scheduler(gap_timeout=10)
+    assert s.add(release("gone"), now=0) is None
+    assert s.has_ready(now=0)
+    assert [j.job_id for j in s.pop_ready(now=0)] == ["gone-release"]

@@ -21,6 +21,7 @@ from api_schemas.jobs import (
     JobResult,
     LoadWeights,
     OptimStep,
+    ReleaseModel,
     SaveWeights,
     Skip,
 )
@@ -129,6 +130,9 @@ class Trainer:
             return _ok({"model_id": job.model_id, "type": "load_weights"})
         if isinstance(p, Skip):
             return _ok({"skipped": p.reason})
+        if isinstance(p, ReleaseModel):
+            self.pool.drop(job.model_id)  # weights, optimizer state, gradients and any paged-out copy
+            return _ok({"released": job.model_id})
         raise UserJobError(f"unsupported job kind {p.kind}")
 
     def _save(self, model_id: str, p: SaveWeights) -> tuple[str, bytes]:

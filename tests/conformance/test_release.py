@@ -1,0 +1,66 @@
+"""Models of ended sessions are released (server/services/release.py): the stock SDK's training client of a
+closed ServiceClient gets 410, the worker frees the adapter, and a saved state brings the run back exactly."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import tinker
+from tinker import types
+
+from tests.conformance.test_sft import batch
+from tests.support.server import ServerProcess
+
+
+@pytest.fixture(scope="module")
+def srv(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    s = ServerProcess(tmp_path_factory.mktemp("release-server"), str(tiny_model_dir),
+                      env={"TWINKLE_MAINTENANCE_INTERVAL_SECONDS": "0.5"})
+    s.api_key = s.create_key("tenant-r")  # type: ignore[attr-defined]
+    s.start()
+    yield s
+    s.stop()
+
+
+def forward_loss(tc: tinker.TrainingClient, data: list[types.Datum]) -> float:
+    return float(tc.forward(data, "cross_entropy").result().metrics["loss:sum"])
+
+
+def test_a_finished_sessions_model_is_released_and_its_saved_state_brings_it_back(srv: ServerProcess) -> None:
+    key: str = srv.api_key  # type: ignore[attr-defined]
+    data = batch()
+    with tinker.ServiceClient(base_url=srv.base_url, api_key=key) as sc:
+        tc = sc.create_lora_training_client(base_model=srv.base_model, rank=4, seed=7).result()
+        for _ in range(3):
+            tc.forward_backward(data, "cross_entropy")
+            tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        path = tc.save_state("before-release").result().path
+        trained = forward_loss(tc, data)
+        model_id = tc.model_id
+    # Leaving the `with` finished the session; the maintenance loop (every 0.5 s here) releases its model.
+    body = {"model_id": model_id, "seq_id": 100, "adam_params": {"learning_rate": 1e-3}}
+    deadline = time.monotonic() + 30
+    while True:
+        r = httpx.post(f"{srv.base_url}/api/v1/optim_step", json=body, headers={"X-API-Key": key})
+        if r.status_code == 410 or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    assert r.status_code == 410, r.text
+    assert "released when its session ended" in r.text
+    deadline = time.monotonic() + 30
+    while f"released {model_id}" not in srv.log() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert f"released {model_id}" in srv.log()  # the worker dropped the adapter and its recovery state
+
+    with tinker.ServiceClient(base_url=srv.base_url, api_key=key) as sc:
+        restored = sc.create_training_client_from_state(path).result()
+        assert abs(forward_loss(restored, data) - trained) <= 1e-6 * abs(trained)
+        tc = sc.create_lora_training_client(base_model=srv.base_model, rank=4, seed=8).result()  # a live session's model
+        tc.forward_backward(data, "cross_entropy")
+        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        time.sleep(1.5)  # several maintenance rounds: a live session's model is never released
+        assert tc.forward(data, "cross_entropy").result().metrics["loss:sum"] > 0
