@@ -14,6 +14,7 @@ import json
 import math
 import re
 from collections.abc import Mapping, Sequence
+from collections.abc import Set
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -193,7 +194,12 @@ def _check_output(node: CustomLossNode, seen: set[str]) -> None:
 
 
 def _is_ref(value: Any, seen: set[str]) -> bool:
-    return isinstance(value, dict) and set(value) == {"ref"} and value["ref"] in seen
+    return isinstance(value, dict) and set(value) == {"ref"} and _has(seen, value["ref"])
+
+
+def _has(names: Set[str], value: Any) -> bool:
+    """`value in names` for untrusted JSON: a list or dict is never a member (and must not raise TypeError)."""
+    return isinstance(value, str) and value in names
 
 
 def _check_call(node: CustomLossNode, seen: set[str]) -> None:
@@ -210,12 +216,13 @@ def _check_call(node: CustomLossNode, seen: set[str]) -> None:
     else:
         raise CustomLossRejected(f"{node.op!r} nodes are not allowed (only placeholders, calls and the output)", node)
     if node.target == "getattr":
-        if len(node.args) != 2 or node.kwargs or not _is_ref(node.args[0], seen) or node.args[1] not in ops.ATTRIBUTES:
+        if len(node.args) != 2 or node.kwargs or not _is_ref(node.args[0], seen) or not _has(ops.ATTRIBUTES, node.args[1]):
             raise CustomLossRejected(f"getattr may only read {sorted(ops.ATTRIBUTES)} of a tensor", node)
     for key in node.kwargs:
         if not NODE_NAME.fullmatch(key):
             raise CustomLossRejected("keyword names must be identifiers", node)
-        if key in ops.FORBIDDEN_KWARGS and node.kwargs[key] not in (None, False):  # torch.fx records defaults
+        value = node.kwargs[key]
+        if key in ops.FORBIDDEN_KWARGS and value is not None and value is not False:  # fx records defaults
             raise CustomLossRejected(f"keyword argument {key!r} is not allowed", node)
     leaves = [0]
     for arg in [*node.args, *node.kwargs.values()]:
@@ -284,7 +291,7 @@ def _check_arg(node: CustomLossNode, arg: Any, seen: set[str], depth: int, leave
         raise CustomLossRejected(f"unknown argument encoding {type(arg).__name__}", node)
     (kind, value), = arg.items()
     if kind == "ref":
-        if value not in seen:
+        if not _has(seen, value):
             raise CustomLossRejected(f"argument refers to {str(value)[:80]!r}, which is not an earlier node", node)
     elif kind == "tuple" and isinstance(value, list):
         for a in value:
@@ -299,11 +306,11 @@ def _check_arg(node: CustomLossNode, arg: Any, seen: set[str], depth: int, leave
             if a is not None and not _is_ref(a, seen) and not (isinstance(a, int) and not isinstance(a, bool)):
                 raise CustomLossRejected("slice bounds must be integers, None or graph values", node)
             _check_arg(node, a, seen, depth + 1, leaves)
-    elif kind == "ellipsis" and value is True or kind == "float" and value in _FLOATS:
+    elif kind == "ellipsis" and value is True or kind == "float" and _has(_FLOATS.keys(), value):
         pass
     elif kind == "device" and isinstance(value, str) and len(value) <= MAX_STRING_CHARS:
         pass  # any device names where the worker runs: the worker puts every tensor on its own device
-    elif kind in _CONSTANT_KINDS and value in _CONSTANT_KINDS[kind]:
+    elif kind in _CONSTANT_KINDS and _has(_CONSTANT_KINDS[kind], value):
         pass
     else:
         raise CustomLossRejected(f"argument {{{kind[:40]!r}: ...}} is not an allowed constant", node)

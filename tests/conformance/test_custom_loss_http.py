@@ -94,6 +94,9 @@ MALICIOUS = {
     "call_module-node": lambda g: _replace_call(g, "linear", [LP], op="call_module"),
     "unknown-constant": lambda g: _replace_call(g, "torch.exp", [{"pickle": "gASV"}]),
     "forward-ref": lambda g: _replace_call(g, "torch.exp", [{"ref": "output"}]),
+    "unhashable-ref": lambda g: _replace_call(g, "torch.exp", [{"ref": []}]),
+    "unhashable-attr": lambda g: _replace_call(g, "getattr", [LP, ["shape"]]),
+    "out-zero": lambda g: _replace_call(g, "torch.exp", [LP], {"out": 0}),
 }
 
 

@@ -284,3 +284,54 @@ def test_allowlist_names_resolve_and_match_torch_fx_naming() -> None:
 def test_gateway_side_modules_do_not_import_torch() -> None:
     code = "import sys, api_schemas.jobs, api_schemas.tinker.custom_loss; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def test_fuzzed_graphs_are_refused_or_run_but_never_crash() -> None:
+    """Random mutations of real graphs: the gateway's check refuses (CustomLossRejected / a pydantic error, both a
+    400) or accepts; an accepted graph runs or fails with CustomLossError (category user). Nothing else escapes."""
+    import json
+    import random
+
+    from pydantic import ValidationError
+
+    rng = random.Random(0)
+    junk: list[Any] = [None, True, 0, -1, 2**60, 1.5, "", "x" * 70, "logprobs", "shape", "__class__", [], [[[]]], {},
+                       {"ref": []}, {"ref": "logprobs"}, {"float": ["inf"]}, {"dtype": {"a": 1}}, {"slice": [1, 2]},
+                       {"tuple": {"a": 1}}, {"dict": []}, {"ellipsis": 1}, {"device": 3}, {"layout": []},
+                       {"a": 1, "b": 2}, ["torch.load"], "torch.load", "operator.getitem", "getattr", "sum"]
+
+    def mutate(value: Any) -> Any:
+        if isinstance(value, list) and value and rng.random() < 0.7:
+            i = rng.randrange(len(value))
+            value[i] = mutate(value[i])
+            return value
+        if isinstance(value, dict) and value and rng.random() < 0.7:
+            k = rng.choice(list(value))
+            value[k] = mutate(value[k])
+            return value
+        return json.loads(json.dumps(rng.choice(junk)))
+
+    gen = torch.Generator().manual_seed(0)
+    bases = {name: (fn, ranks, trace_loss(fn, ranks, "s")) for name, (fn, ranks) in CASES.items()}  # type: ignore[arg-type]
+    accepted = 0
+    for trial in range(1500):
+        name = rng.choice(sorted(bases))
+        fn, ranks, handle = bases[name]
+        body = {"session_id": "s", "custom_loss_seq_id": 0, "name": handle.name,
+                "inputs": [x.model_dump() for x in handle.inputs],
+                "graph": encode_graph(handle).model_dump(mode="json")}
+        for _ in range(rng.randint(1, 3)):
+            graph = body.get("graph")
+            nodes = graph.get("nodes") if isinstance(graph, dict) else None
+            mutate(nodes if isinstance(nodes, list) and rng.random() < 0.9 else body)
+        try:
+            prog = validate_custom_loss(CreateCustomLossRequest.model_validate(body), "custom-loss-fuzz")
+        except (CustomLossRejected, ValidationError):
+            continue
+        accepted += 1
+        lp, x = _inputs(name, gen, 6)
+        try:
+            run_custom_loss(prog, [lp.requires_grad_()], [x])
+        except CustomLossError:
+            pass
+    assert accepted > 50  # the mutations also reach the interpreter

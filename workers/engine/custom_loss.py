@@ -102,12 +102,17 @@ class Interpreter:
         env: dict[str, Any] = {}
         placeholders = iter(args)
         for node in self.program.nodes:
-            if node.op == "placeholder":
-                env[node.name] = next(placeholders)
-            elif node.op == "output":
-                return self._output(node, env)
-            else:
-                env[node.name] = self._call(node, env)
+            try:
+                if node.op == "placeholder":
+                    env[node.name] = next(placeholders)
+                elif node.op == "output":
+                    return self._output(node, env)
+                else:
+                    env[node.name] = self._call(node, env)
+            except CustomLossError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a malformed node (the gateway checks them; never trust it)
+                raise CustomLossError(f"{self._where(node)}: malformed node ({type(e).__name__})") from e
         raise CustomLossError(f"custom loss {self.program.name!r} has no output node")
 
     # --- one node ---
@@ -196,7 +201,7 @@ class Interpreter:
             raise CustomLossError(f"{where}: malformed argument")
         (kind, value), = arg.items()
         if kind == "ref":
-            if value not in env:
+            if not isinstance(value, str) or value not in env:
                 raise CustomLossError(f"{where}: refers to unknown node {str(value)[:80]!r}")
             return env[value]
         if kind == "tuple":
@@ -211,9 +216,9 @@ class Interpreter:
             return decode_float(value)
         if kind == "device":
             return self.device  # every tensor of the loss lives where the worker runs it
-        if kind == "dtype" and value in _DTYPES:
+        if kind == "dtype" and isinstance(value, str) and value in _DTYPES:
             return _DTYPES[value]
-        if kind == "layout" and value in ops.LAYOUTS:
+        if kind == "layout" and isinstance(value, str) and value in ops.LAYOUTS:
             return torch.strided
         raise CustomLossError(f"{where}: argument {{{str(kind)[:40]!r}: ...}} is not an allowed constant")
 
@@ -285,7 +290,7 @@ def _meta(value: Any) -> Any:
 
 
 def _getattr(where: str, args: list[Any], kwargs: dict[str, Any]) -> Any:
-    if len(args) == 2 and not kwargs:
+    if len(args) == 2 and not kwargs and isinstance(args[1], str):
         obj, attr = args
         if isinstance(obj, torch.Tensor) and attr in ops.TENSOR_ATTRIBUTES:
             return getattr(obj, attr)
