@@ -90,7 +90,12 @@ FACTORIES: frozenset[str] = frozenset(
 # Size limits the worker enforces on every intermediate tensor (before allocating it, via the meta device); the
 # gateway already rejects a factory whose constant size is over the first.
 MAX_ELEMENTS = 1 << 24  # one intermediate tensor (64 MiB of float32)
-MAX_TOTAL_ELEMENTS = 1 << 27  # every intermediate of one job, all datums together
+# Every intermediate of one job, all datums together: TOTAL_ELEMENTS_PER_TOKEN per logprob of the job, within
+# [MIN_TOTAL_ELEMENTS, MAX_TOTAL_ELEMENTS]. A loss's work then grows with its job's forward pass (which costs far
+# more per token), so a small request cannot buy a long step that every merged tenant waits for.
+TOTAL_ELEMENTS_PER_TOKEN = 256
+MIN_TOTAL_ELEMENTS = 1 << 24
+MAX_TOTAL_ELEMENTS = 1 << 28
 # Node executions per job (nodes x datums): each costs 15-80 us of the worker's Python whatever the tensor sizes,
 # and one job's step is every merged tenant's wait. 2**17: a 128-node loss on a full SDK chunk of 1024 datums.
 # The gateway refuses a request over it before queueing.

@@ -22,7 +22,7 @@ from api_schemas.tinker.custom_loss import (
     check_custom_inputs,
     validate_custom_loss,
 )
-from workers.engine.custom_loss import FUNCTIONS, CustomLossError, run_custom_loss
+from workers.engine.custom_loss import FUNCTIONS, CustomLossError, run_custom_loss, total_budget
 
 
 def dpo(logprobs, ref, chosen, rejected):  # type: ignore[no-untyped-def]
@@ -153,7 +153,7 @@ def test_size_bombs_are_refused_before_allocating() -> None:
     def many_medium(logprobs):  # type: ignore[no-untyped-def]
         big = logprobs.repeat(4000)  # 4000 * 1000 = 4M elements: under the per-tensor limit
         s = big
-        for _ in range(40):  # 40 x 4M = 160M elements in all: over the job's total
+        for _ in range(40):  # 40 x 4M = 160M elements in all: over the job's total (16M for 1000 logprobs)
             s = s * 1.0001
         return s.sum(), {}
 
@@ -163,6 +163,10 @@ def test_size_bombs_are_refused_before_allocating() -> None:
             _run(fn, RANK1, lp)
     with pytest.raises(CustomLossError, match="in all"):
         _run(many_medium, RANK1, lp)
+    # a job's total grows with its logprobs, between a floor and a ceiling
+    assert total_budget(1000) == ops.MIN_TOTAL_ELEMENTS
+    assert total_budget(1 << 18) == ops.TOTAL_ELEMENTS_PER_TOKEN << 18
+    assert total_budget(1 << 30) == ops.MAX_TOTAL_ELEMENTS
 
 
 def test_many_pieces_are_refused() -> None:

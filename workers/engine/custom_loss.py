@@ -5,7 +5,7 @@ The graph came from a stranger. The gateway already checked it against the allow
 it calls only functions it resolved itself from the allowlist's names, Python operators only on tensors and
 bounded numbers, `getattr` only for the allowlisted tensor attributes, and it computes every tensor operation
 first on the meta device (shapes only, no memory) so that no intermediate may exceed `MAX_ELEMENTS` elements and
-one job's intermediates together `MAX_TOTAL_ELEMENTS`: a graph cannot allocate its way out of its budget with a
+one job's intermediates together its budget (`total_budget`: in proportion to its tokens): a graph cannot allocate its way out of its budget with a
 huge factory, `repeat` or broadcast. Nothing is eval'd, compiled or unpickled. Every failure is the user's
 (`CustomLossError`), so it fails only the job that ran the loss.
 
@@ -34,7 +34,6 @@ from api_schemas.tinker.custom_loss import (
 from workers.engine.errors import UserJobError
 
 MAX_ELEMENTS = ops.MAX_ELEMENTS
-MAX_TOTAL_ELEMENTS = ops.MAX_TOTAL_ELEMENTS
 _MAX_INT = 2**63
 _DTYPES = {name: getattr(torch, name) for name in ops.DTYPES}
 # Ops whose result size depends on tensor VALUES (boolean masks): meta cannot size them, but their result is never
@@ -65,6 +64,7 @@ FUNCTIONS: dict[str, Callable[..., Any]] = {name: _resolve(name) for name in sor
 
 @dataclass
 class Budget:
+    limit: int
     total: int = 0
 
     def charge(self, where: str, value: Any) -> None:
@@ -75,9 +75,10 @@ class Budget:
             if n > MAX_ELEMENTS:
                 raise CustomLossError(f"{where}: a result of {n} elements exceeds the limit of {MAX_ELEMENTS}")
             self.total += n
-            if self.total > MAX_TOTAL_ELEMENTS:
+            if self.total > self.limit:
                 raise CustomLossError(
-                    f"{where}: the loss's intermediates exceed {MAX_TOTAL_ELEMENTS} elements in all; "
+                    f"{where}: the loss's intermediates exceed {self.limit} elements in all (a job's budget: "
+                    f"{ops.TOTAL_ELEMENTS_PER_TOKEN} per logprob, at least {ops.MIN_TOTAL_ELEMENTS}); "
                     "use fewer or smaller operations"
                 )
 
@@ -391,6 +392,11 @@ class CustomLossResult:
     metrics: dict[str, float]
 
 
+def total_budget(logprobs: int) -> int:
+    """Elements all of a job's intermediates may hold together, for a job of `logprobs` logprobs."""
+    return min(max(ops.TOTAL_ELEMENTS_PER_TOKEN * logprobs, ops.MIN_TOTAL_ELEMENTS), ops.MAX_TOTAL_ELEMENTS)
+
+
 def run_custom_loss(program: CustomLossProgram, logprobs: list[torch.Tensor],
                     inputs: list[dict[str, torch.Tensor]]) -> CustomLossResult:
     """Run `program` once per datum and sum; raise CustomLossError for anything wrong with the loss or its data."""
@@ -401,7 +407,7 @@ def run_custom_loss(program: CustomLossProgram, logprobs: list[torch.Tensor],
         check_custom_inputs(program, shapes)
     except ValueError as e:
         raise CustomLossError(str(e)) from e
-    budget = Budget()
+    budget = Budget(total_budget(sum(lp.numel() for lp in logprobs)))
     interp = Interpreter(program, logprobs[0].device, budget)
     names = [x.name for x in program.inputs[1:]]
     ranks = [x.rank for x in program.inputs[1:]]
