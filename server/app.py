@@ -72,7 +72,8 @@ def create_app(
 
     app = FastAPI(title="Twinkle server", version="0.1.0", lifespan=lifespan)
     app.state.key_cache = KeyCache(settings.auth_cache_seconds)
-    for module in (bootstrap, sessions, models, training, sampling, futures):
+    # Routes are matched in order: the per-step ones (training, futures) first; no two of these paths overlap.
+    for module in (training, futures, sampling, sessions, models, bootstrap):
         app.include_router(module.router, prefix="/api/v1", tags=["tinker"])
     app.include_router(openai.router, prefix="/v1", tags=["openai"])
     for module in (checkpoints, runs, downloads, custom_losses):
