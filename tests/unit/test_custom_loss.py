@@ -157,12 +157,24 @@ def test_size_bombs_are_refused_before_allocating() -> None:
             s = s * 1.0001
         return s.sum(), {}
 
+    def masked_select_bomb(logprobs):  # type: ignore[no-untyped-def]
+        row = logprobs.reshape(1, -1).repeat(1, 10)  # (1, 10T)
+        mask = (logprobs.reshape(-1, 1).repeat(10, 1) <= 0)  # (10T, 1): broadcasts to (10T, 10T)
+        return torch.masked_select(row, mask).sum(), {}
+
+    def double_index(logprobs):  # type: ignore[no-untyped-def]
+        idx = torch.zeros_like(logprobs, dtype=torch.long)  # a bool mask and an index tensor together
+        m = logprobs.reshape(-1, 1).repeat(1, 4)
+        return m[logprobs <= 0, idx[:1]].sum(), {}
+
     lp = [torch.zeros(1000, requires_grad=True)]
-    for fn in (repeat_bomb, broadcast_bomb, factory_bomb, expand_bomb):
+    for fn in (repeat_bomb, broadcast_bomb, factory_bomb, expand_bomb, masked_select_bomb):
         with pytest.raises(CustomLossError, match="exceeds the limit"):
             _run(fn, RANK1, lp)
     with pytest.raises(CustomLossError, match="in all"):
         _run(many_medium, RANK1, lp)
+    with pytest.raises(CustomLossError, match="double_index"):
+        _run(double_index, RANK1, lp)
     # a job's total grows with its logprobs, between a floor and a ceiling
     assert total_budget(1000) == ops.MIN_TOTAL_ELEMENTS
     assert total_budget(1 << 18) == ops.TOTAL_ELEMENTS_PER_TOKEN << 18

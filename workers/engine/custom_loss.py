@@ -188,7 +188,11 @@ class Interpreter:
                     out = fn(*meta_args, **meta_kwargs)
         except Exception as e:
             if node.target in _DATA_DEPENDENT:
-                return False
+                bound = _data_dependent_bound(node.target, [self_, *args] if self_ is not None else args)
+                if bound is not None:  # checked now; the real result is counted after the run
+                    self.budget.charge_sizes(where, [bound])
+                    self.budget.total -= bound
+                    return False
             raise CustomLossError(f"{where}: {type(e).__name__}: {_short(e)}") from e
         self.budget.charge(where, out)
         return True
@@ -236,6 +240,24 @@ class Interpreter:
             if not isinstance(value, torch.Tensor) or value.numel() != 1:
                 raise CustomLossError(f"custom loss {self.program.name!r}: metric {key!r} must be a one-element tensor")
         return loss, metrics
+
+
+def _data_dependent_bound(target: str, args: list[Any]) -> int | None:
+    """An upper bound of the result size of a boolean-mask selection, from shapes only; None: not such a one."""
+    if target == "operator.getitem" and len(args) == 2 and isinstance(args[0], torch.Tensor):
+        index = args[1] if isinstance(args[1], tuple) else (args[1],)
+        tensors = [i for i in index if isinstance(i, torch.Tensor)]
+        plain = all(i is None or i is Ellipsis or isinstance(i, (int, slice, torch.Tensor)) for i in index)
+        if plain and len(tensors) == 1 and tensors[0].dtype == torch.bool:
+            return args[0].numel()  # x[mask]: a subset of x's elements
+        return None
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if target in ("torch.masked_select", "masked_select") and len(tensors) == 2:
+        try:
+            return math.prod(torch.broadcast_shapes(*(t.shape for t in tensors)))
+        except RuntimeError:
+            return None
+    return None
 
 
 def _bare(target: str) -> str:
