@@ -16,12 +16,11 @@ async def get_ctx(request: Request) -> Context:  # async: FastAPI runs a plain `
     return ctx
 
 
-async def get_tenant(
-    request: Request, ctx: Annotated[Context, Depends(get_ctx)], x_api_key: Annotated[str | None, Header()] = None
-) -> str:
+async def get_tenant(request: Request, x_api_key: Annotated[str | None, Header()] = None) -> str:
     if not x_api_key:
         raise Unauthorized("missing X-API-Key header")
     cache: KeyCache = request.app.state.key_cache
+    ctx: Context = request.app.state.ctx  # not Depends(get_ctx): one dependency less to solve per request
     tenant_id = await cache.tenant(ctx.db.session, x_api_key)
     if tenant_id is None:
         raise Unauthorized("invalid or revoked API key")
