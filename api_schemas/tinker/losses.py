@@ -3,7 +3,8 @@
 Pure data (no torch): the gateway imports it to reject a bad forward_backward with a 400 before queueing,
 and the engine (`workers/engine/losses.py`) runs the same checks and reads the resolved config from here,
 so both sides agree on names, inputs and defaults. Names follow `tinker/types/loss_fn_type.py` (SDK 0.38.0);
-formulas and defaults follow the Tinker loss docs (cookbook `docs/losses.mdx`).
+formulas and defaults follow the Tinker loss docs (cookbook `docs/losses.mdx`). `custom` is a loss uploaded with
+create_custom_loss: this table checks its loss_id and target_tokens, `custom_loss.py` its graph and inputs.
 """
 
 from __future__ import annotations
