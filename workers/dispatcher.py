@@ -104,28 +104,40 @@ class Dispatcher:
                 await self._run_step(step)
 
     async def _run_step(self, step: Step) -> None:
-        if not step.merged or self.engine is None:
+        if self.engine is None or (not step.merged and len(step.jobs) == 1):
             for job in step.jobs:
                 await self._run(job)
             return
-        engine, loop = self.engine, asyncio.get_running_loop()
-        by_id = {j.job_id: j for j in step.jobs}
+        # One hand-over to the compute thread for the whole step: a merged pass, or barrier jobs of several models
+        results = await self._run_together(self.engine, step.jobs)
+        if not step.merged:
+            for job in step.jobs:
+                await self._snapshot_if_due(job, results[job.job_id])
+
+    async def _run_together(self, engine: StepEngine, jobs: tuple[Job, ...]) -> dict[str, JobResult]:
+        """Run the jobs in one execute_step; each is acknowledged as soon as the engine reports its result."""
+        loop = asyncio.get_running_loop()
+        by_id = {j.job_id: j for j in jobs}
+        results: dict[str, JobResult] = {}
         acks: list[asyncio.Future[None]] = []
 
         def on_result(result: JobResult) -> None:  # on the compute thread: acknowledge from the loop, at once
             job = by_id.pop(result.job_id, None)
             if job is not None:
+                results[job.job_id] = result
                 loop.call_soon_threadsafe(lambda: acks.append(asyncio.ensure_future(self._acknowledge(result, job))))
 
         try:
-            await loop.run_in_executor(self._executor, engine.execute_step, list(step.jobs), on_result)
+            await loop.run_in_executor(self._executor, engine.execute_step, list(jobs), on_result)
         except Exception:  # execute_step reports its own failures; this guards the loop itself
-            log.exception("executing a step of %d jobs failed", len(step.jobs))
+            log.exception("executing a step of %d jobs failed", len(jobs))
         await asyncio.sleep(0)  # the callbacks queued before the step returned run first (FIFO)
         for job in list(by_id.values()):  # every job gets exactly one result
-            acks.append(asyncio.ensure_future(self._acknowledge(_server_error(job), job)))
+            results[job.job_id] = _server_error(job)
+            acks.append(asyncio.ensure_future(self._acknowledge(results[job.job_id], job)))
         by_id.clear()
         await asyncio.gather(*acks)
+        return results
 
     async def _acknowledge(self, result: JobResult, job: Job) -> None:
         rec = self.recovery
@@ -143,7 +155,13 @@ class Dispatcher:
             return
         rec = self.recovery
         await self._complete(result, job, replay=rec is not None and rec.mutates(job, result))
+        await self._snapshot_if_due(job, result)
+
+    async def _snapshot_if_due(self, job: Job, result: JobResult) -> None:
+        """After an acknowledged barrier job: take the model's durable snapshot when recovery asks for one."""
+        rec = self.recovery
         if rec is not None and rec.wants_snapshot(job, result):
+            loop = asyncio.get_running_loop()
             key = await loop.run_in_executor(self._executor, rec.snapshot, job.model_id, job.seq_id)
             stale = await self.queue.record_snapshot(job.model_id, job.seq_id, key)
             if stale is not None:

@@ -7,7 +7,8 @@ create-via-load) and each executed job advances it by one. Early arrivals wait. 
 arrives (a lost or rejected request) waits at most `gap_timeout` seconds; then the gap is skipped.
 
 `next_step` turns the heads of the lines into steps:
-- a *barrier* head (create, optim_step, save, load, skip) runs alone; it holds back only its own model;
+- a *barrier* head (create, optim_step, save, load, skip) holds back only its own model; the barrier heads of
+  several models run one after the other in one step (at most `max_barriers_in_a_row`);
 - the *mergeable* heads (forward / forward_backward) of different models run together in one merged step,
   at most one job per model, up to `token_budget` padded tokens (rows x longest row). The first job picked
   always runs, even when it alone exceeds the budget, so a huge batch is delayed at most by fairness.
@@ -46,7 +47,8 @@ class Rejection:
 
 @dataclass(frozen=True)
 class Step:
-    """Jobs to run together: one barrier job, or forward/forward_backward jobs of distinct models."""
+    """Jobs to run together, each of a distinct model: barrier jobs (one after the other, merged=False), or
+    forward/forward_backward jobs (one merged pass)."""
 
     jobs: tuple[Job, ...]
     merged: bool
@@ -163,11 +165,14 @@ class Scheduler:
         barriers = [(line, e) for line, e in heads if not mergeable(e.job)]
         merge = [(line, e) for line, e in heads if mergeable(e.job)]
         # Barriers are cheap and hold back their own model: they go first, but a stream of them (one tenant's
-        # saves) may delay everybody's merged pass by at most `max_barriers_in_a_row` steps.
+        # saves) may delay everybody's merged pass by at most `max_barriers_in_a_row` barrier jobs. Heads of
+        # different models run together in one step (in arrival order), so many tenants' optim_steps cost one
+        # hand-over to the compute thread instead of one each.
         if barriers and (not merge or self._barriers_in_a_row < self.max_barriers_in_a_row):
-            self._barriers_in_a_row += 1
-            line, _ = min(barriers, key=lambda le: le[1].arrived)
-            return Step((line.pop_head(),), merged=False)
+            room = self.max_barriers_in_a_row - self._barriers_in_a_row if merge else self.max_barriers_in_a_row
+            picked = sorted(barriers, key=lambda le: le[1].arrived)[: max(room, 1)]
+            self._barriers_in_a_row += len(picked)
+            return Step(tuple(line.pop_head() for line, _ in picked), merged=False)
         self._barriers_in_a_row = 0
         return Step(tuple(self._pack(merge)), merged=True)
 

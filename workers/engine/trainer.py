@@ -12,8 +12,6 @@ import json
 import logging
 from collections.abc import Callable
 
-import torch
-
 from api_schemas.jobs import (
     CreateModel,
     ForwardBackward,
@@ -153,13 +151,10 @@ class Trainer:
 
     def optim_step(self, model_id: str, p: OptimStep) -> dict[str, float]:
         with self.pool.pinned([model_id]) as (adapter,):  # the first step creates the moments: paging sees them
-            for w, g in zip(adapter.params, adapter.grads):
-                w.grad = torch.zeros_like(w) if g is None else g
-            try:
-                metrics = adam_step(adapter.params, adapter.optim, AdamHyper(**p.adam.model_dump()))
+            try:  # the adapter's gradient buffers go in as they are (None: no loss reached that param, zero)
+                metrics = adam_step(adapter.params, adapter.optim, AdamHyper(**p.adam.model_dump()),
+                                    grads=list(adapter.grads))
             finally:
-                for w in adapter.params:
-                    w.grad = None
                 # a failed step (non-finite norm) drops its gradients too: the tenant can go on training
                 adapter.grads = [None] * len(adapter.params)
         return metrics
