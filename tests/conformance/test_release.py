@@ -41,17 +41,21 @@ def test_a_finished_sessions_model_is_released_and_its_saved_state_brings_it_bac
         path = tc.save_state("before-release").result().path
         trained = forward_loss(tc, data)
         model_id = tc.model_id
-    # Leaving the `with` finished the session; the maintenance loop (every 0.5 s here) releases its model.
-    body = {"model_id": model_id, "seq_id": 100, "adam_params": {"learning_rate": 1e-3}}
-    deadline = time.monotonic() + 30
+    # Leaving the `with` finished the session; the maintenance loop (every 0.5 s here) releases its model. Polled
+    # with get_info, which queues nothing: a training request accepted before the release would hold it back.
+    headers = {"X-API-Key": key}
+    deadline = time.monotonic() + 60
     while True:
-        r = httpx.post(f"{srv.base_url}/api/v1/optim_step", json=body, headers={"X-API-Key": key})
+        r = httpx.post(f"{srv.base_url}/api/v1/get_info", json={"model_id": model_id}, headers=headers)
         if r.status_code == 410 or time.monotonic() > deadline:
             break
         time.sleep(0.3)
     assert r.status_code == 410, r.text
     assert "released when its session ended" in r.text
-    deadline = time.monotonic() + 30
+    body = {"model_id": model_id, "seq_id": 100, "adam_params": {"learning_rate": 1e-3}}
+    r = httpx.post(f"{srv.base_url}/api/v1/optim_step", json=body, headers=headers)
+    assert r.status_code == 410, r.text  # nothing more is queued for it
+    deadline = time.monotonic() + 60
     while f"released {model_id}" not in srv.log() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert f"released {model_id}" in srv.log()  # the worker dropped the adapter and its recovery state
