@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 from tinker import types
 
 from tests.integration.conftest import DEFAULT_PG, _pg_admin
+from tests.support.process import CrashInjector
 from tests.support.server import ServerProcess, WorkerProcess
 from tests.support.sft import batch, sft
 
@@ -133,33 +134,15 @@ def test_worker_killed_five_times_gives_the_same_weights(cluster: Cluster) -> No
         expected = adapter_state(cluster, ref, "reference")
 
         rng = random.Random(5)
-        kill_steps = set(rng.sample(range(1, steps - 2), kills))
-        killers: list[threading.Thread] = []
+        crash = CrashInjector(cluster.worker, set(rng.sample(range(1, steps - 2), kills)), rng, max_delay=0.25)
         rebuilt_before = cluster.worker.log().count("rebuilt ")
-
-        def crash(step: int) -> None:
-            if step not in kill_steps:
-                return
-            for t in killers:  # the previous kill and restart happened, and the restart is up and consuming
-                t.join()
-            cluster.worker.wait_ready()
-
-            def kill_later(delay: float) -> None:
-                threading.Event().wait(delay)
-                cluster.worker.kill()
-                cluster.worker.start(wait=False)
-
-            t = threading.Thread(target=kill_later, args=(rng.uniform(0.0, 0.25),))
-            t.start()
-            killers.append(t)
 
         tc = sc.create_lora_training_client(base_model=cluster.gateway.base_model, rank=4, seed=7)
         sft(tc, steps, during=crash)
         got = adapter_state(cluster, tc, "crashed")
-    for t in killers:
-        t.join()
+    crash.join()
     cluster.worker.wait_ready()
-    assert len(killers) == kills
+    assert len(crash.killers) == kills
     # A successor that got jobs before it was killed rebuilt the model (one killed right after it started may not)
     rebuilt = cluster.worker.log().count("rebuilt ") - rebuilt_before
     assert 1 <= rebuilt <= kills, rebuilt

@@ -4,11 +4,14 @@ process writes to, waiting until it is ready, and stopping it (politely, then by
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 
 def free_port() -> int:
@@ -71,3 +74,37 @@ class ManagedProcess:
                 self.proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 self.kill()
+
+
+class CrashInjector:
+    """`during` hook of an SFT loop (tests/support/sft.py) that SIGKILLs a worker at the chosen steps, a random
+    moment (up to `max_delay` s) after the step's requests were sent, and starts it again at once. A kill waits until
+    the previous restart holds its lease (is consuming jobs), so every kill hits a working worker."""
+
+    def __init__(self, worker: WorkerLike, kill_steps: set[int], rng: random.Random, max_delay: float) -> None:
+        self.worker, self.kill_steps, self.rng, self.max_delay = worker, kill_steps, rng, max_delay
+        self.killers: list[threading.Thread] = []
+
+    def __call__(self, step: int) -> None:
+        if step not in self.kill_steps:
+            return
+        self.join()
+        self.worker.wait_ready()
+        t = threading.Thread(target=self._kill_later, args=(self.rng.uniform(0.0, self.max_delay),))
+        t.start()
+        self.killers.append(t)
+
+    def _kill_later(self, delay: float) -> None:
+        threading.Event().wait(delay)
+        self.worker.kill()
+        self.worker.start(wait=False)
+
+    def join(self) -> None:
+        for t in self.killers:
+            t.join()
+
+
+class WorkerLike(Protocol):
+    def wait_ready(self, timeout: float = ...) -> None: ...
+    def kill(self) -> None: ...
+    def start(self, wait: bool = ..., timeout: float = ...) -> object: ...

@@ -22,14 +22,18 @@ def batch(step: int) -> list[Any]:
     return out
 
 
-def sft(tc: Any, steps: int, during: Callable[[int], None] = lambda _: None, same_batch: bool = False) -> list[float]:
+def sft(tc: Any, steps: int, during: Callable[[int], None] = lambda _: None, same_batch: bool = False,
+        custom_loss: Any = None) -> list[float]:
     """`steps` x (forward_backward + optim_step at lr 2e-2), both submitted before either is awaited; `during(step)`
-    runs between submitting and awaiting (e.g. to kill a process). Returns the losses."""
+    runs between submitting and awaiting (e.g. to kill a process). With `custom_loss` (a callable or a handle from
+    create_custom_loss) the step is forward_backward_custom, else cross_entropy. Returns the losses."""
     from tinker import types
 
     losses = []
     for step in range(steps):
-        fb = tc.forward_backward(batch(0 if same_batch else step), "cross_entropy")
+        data = batch(0 if same_batch else step)
+        fb = tc.forward_backward_custom(data, custom_loss) if custom_loss is not None else tc.forward_backward(
+            data, "cross_entropy")
         opt = tc.optim_step(types.AdamParams(learning_rate=2e-2))
         during(step)
         losses.append(fb.result().metrics["loss:sum"])
