@@ -13,7 +13,7 @@ from tinker.proto import tinker_public_pb2 as pb
 from api_schemas.jobs import ForwardBackward, Job
 from tests.unit.engine_jobs import fb, job, loss_of, random_rows
 from tests.unit.test_custom_loss import program
-from tests.unit.test_merged import MODELS, _grads, _rel, _step, _trainer
+from tests.unit.test_merged import MODELS, TOL, _grads, _rel, _step, _trainer
 
 
 def weighted_ce(logprobs, weights):  # type: ignore[no-untyped-def]
@@ -72,3 +72,31 @@ def test_a_job_without_its_graph_fails_as_the_users(tiny_model_dir: Path, tmp_pa
     r = t.execute(stripped)
     assert not r.ok and r.error is not None and r.error.category.value == "user" and "no graph" in r.error.message
     assert torch.isfinite(torch.tensor(loss_of(t.execute(fb("a", 4, [[5, 6, 7, 8]])).body)))
+
+
+def floor_div(logprobs, weights):  # type: ignore[no-untyped-def]
+    return -((logprobs // 0.5) * weights).sum() - (logprobs * weights).sum(), {}  # floor_divide has no backward
+
+
+def test_a_loss_whose_backward_fails_fails_alone(tiny_model_dir: Path, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A loss that runs forward but whose backward raises fails as the user's, in its own job: the merged pass is
+    not faulted (which would run every tenant's job again, one by one)."""
+    t = _trainer(tiny_model_dir, tmp_path, "float32")
+    rng = np.random.default_rng(5)
+    plain = {m: fb(m, 3, random_rows(rng, 3, 4, 14)) for m in ("a", "d")}
+    r = t.execute(plain["d"])
+    assert r.ok, r.error
+    solo = _grads(t, "d")
+    passes = []
+    run = t._merged.run
+    monkeypatch.setattr(t._merged, "run", lambda jobs, on_result: (passes.append(len(jobs)), run(jobs, on_result)))
+    jobs = [as_custom(plain["a"], floor_div), plain["d"]]
+    results = {r.job_id: r for r in _step(t, jobs)}
+    a, d = results[jobs[0].job_id], results[jobs[1].job_id]
+    assert not a.ok and a.error is not None and a.error.category.value == "user", a.error
+    assert "backward" in a.error.message and "floor_divide" in a.error.message
+    assert d.ok, d.error
+    assert passes == [2]  # one merged pass, not rerun job by job
+    assert _rel(_grads(t, "d"), solo) < TOL["float32"]
+    assert all(g is None for g in t.pool.get("a").grads)

@@ -438,14 +438,31 @@ def run_custom_loss(program: CustomLossProgram, logprobs: list[torch.Tensor],
     for lp, raw in zip(logprobs, inputs):
         args = [lp] + [raw[n].reshape(()) if r == 0 else raw[n] for n, r in zip(names, ranks)]
         loss, metrics = interp.run(args)
-        if lp.requires_grad and not loss.requires_grad:
-            # A loss that ignores logprobs has a zero gradient; a fresh leaf keeps the merged backward valid.
-            loss = loss.detach().requires_grad_()
         losses.append(loss.to(lp.dtype))
         for key, value in metrics.items():
             v = value.detach().reshape(()).to(torch.float64)
             sums[key] = v if key not in sums else sums[key] + v
     total = torch.stack(losses).sum()
+    if any(lp.requires_grad for lp in logprobs):
+        total = _own_backward(program, total, logprobs)
     out_metrics = {k: float(v) / (len(logprobs) if k.endswith(":mean") else 1) for k, v in sums.items()}
     out_metrics["loss:sum"] = float(total.detach())
     return CustomLossResult(total, [{"logprobs": lp.detach()} for lp in logprobs], out_metrics)
+
+
+def _own_backward(program: CustomLossProgram, total: torch.Tensor, logprobs: list[torch.Tensor]) -> torch.Tensor:
+    """Run the loss's backward now, down to the logprobs only, and return a loss of the same value that is linear
+    in the logprobs with that gradient (what the SDK's client-side custom loss sends as weights).
+
+    The merged step's backward then never runs a tenant's graph: a backward that raises (an op without a
+    derivative, such as floor_divide) fails this job alone, as the user's, instead of faulting the pass that every
+    merged tenant shares. The loss's intermediates are freed here, not held until the merged backward."""
+    trained = [lp for lp in logprobs if lp.requires_grad]
+    try:
+        grads = torch.autograd.grad(total, trained, allow_unused=True) if total.requires_grad else [None] * len(trained)
+    except Exception as e:  # noqa: BLE001 - anything the loss's own backward raises is the loss's fault
+        raise CustomLossError(f"custom loss {program.name!r}: its backward failed: {type(e).__name__}: "
+                              f"{_short(e)}") from e
+    linear = torch.stack([(lp * (torch.zeros_like(lp) if g is None else g)).sum() for g, lp in zip(grads, trained)]).sum()
+    return total.detach() + (linear - linear.detach())
+
