@@ -218,6 +218,10 @@ def _check_call(node: CustomLossNode, seen: set[str]) -> None:
     if node.target == "getattr":
         if len(node.args) != 2 or node.kwargs or not _is_ref(node.args[0], seen) or not _has(ops.ATTRIBUTES, node.args[1]):
             raise CustomLossRejected(f"getattr may only read {sorted(ops.ATTRIBUTES)} of a tensor", node)
+    position = ops.FORBIDDEN_POSITIONAL.get(node.target)
+    if position is not None and len(node.args) > position and node.args[position] is not None \
+            and node.args[position] is not False:
+        raise CustomLossRejected(f"argument {position} (in-place or out) is not allowed", node)
     for key in node.kwargs:
         if not NODE_NAME.fullmatch(key):
             raise CustomLossRejected("keyword names must be identifiers", node)

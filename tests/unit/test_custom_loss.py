@@ -351,3 +351,56 @@ def test_fuzzed_graphs_are_refused_or_run_but_never_crash() -> None:
         except CustomLossError:
             pass
     assert accepted > 50  # the mutations also reach the interpreter
+
+
+def _handcrafted(calls: list[dict[str, Any]], loss: str) -> tuple[CreateCustomLossRequest, CustomLossProgram]:
+    """A graph written by hand (not traced): logprobs, `calls` (op, name, target, args[, kwargs]), output `loss`.
+    Returns the upload and the same graph as a program that skipped the gateway's check (the worker trusts none)."""
+    nodes = [{"op": "placeholder", "name": "logprobs", "target": "logprobs", "args": [], "kwargs": {}},
+             *({"kwargs": {}, **c} for c in calls),
+             {"op": "output", "name": "output", "target": "output", "args": [{"tuple": [{"ref": loss}, {"dict": {}}]}],
+              "kwargs": {}}]
+    body = {"session_id": "s", "custom_loss_seq_id": 0, "name": "handcrafted",
+            "inputs": [{"name": "logprobs", "rank": 1}], "graph": {"nodes": nodes}}
+    unchecked = CustomLossProgram.model_validate({"loss_id": "custom-loss-x", "name": "handcrafted",
+                                                  "inputs": body["inputs"], "nodes": nodes})
+    return CreateCustomLossRequest.model_validate(body), unchecked
+
+
+def _fn(name: str, target: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    return {"op": "call_function", "name": name, "target": target, "args": list(args), "kwargs": kwargs}
+
+
+def _method(name: str, target: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    return {"op": "call_method", "name": name, "target": target, "args": list(args), "kwargs": kwargs}
+
+
+LP, EXP = {"ref": "logprobs"}, {"ref": "e"}
+
+
+def test_writes_into_existing_tensors_are_refused() -> None:
+    """In-place and out= forms smuggled past the keyword check: F.relu(x, True) and F.silu(x, inplace=True) edit x
+    (here a value exp saved for its backward), F.normalize's fifth positional parameter is `out` (here the
+    logprobs' own storage, through detach), and repeat_interleave's output_size is trusted by the CUDA kernel (a
+    wrong one is a device-side assert, which kills the worker's CUDA context for every tenant)."""
+    exp = _fn("e", "torch.exp", LP)
+    total = _method("s", "sum", EXP)
+    detached = _method("d", "detach", LP)
+    cases = [
+        [exp, _fn("r", "torch.nn.functional.relu", EXP, True), total],
+        [exp, _fn("r", "torch.nn.functional.silu", EXP, inplace=True), total],
+        [exp, detached, _fn("r", "torch.nn.functional.normalize", {"ref": "d"}, 2.0, 0, 1e-12, {"ref": "d"}), total],
+        [exp, _fn("ones", "torch.ones_like", LP, dtype={"dtype": "int64"}),
+         _method("r", "repeat_interleave", EXP, {"ref": "ones"}, 0, output_size=3), _method("s", "sum", {"ref": "r"})],
+    ]
+    lp = torch.zeros(4, requires_grad=True)
+    for calls in cases:
+        req, unchecked = _handcrafted(calls, "s")
+        with pytest.raises(CustomLossRejected, match="not allowed"):
+            validate_custom_loss(req, "custom-loss-x")
+        with pytest.raises(CustomLossError, match="not allowed"):
+            run_custom_loss(unchecked, [lp], [{"target_tokens": torch.zeros(4, dtype=torch.long)}])
+        assert lp.grad is None and bool((lp == 0).all())
+    fine, _ = _handcrafted([exp, _fn("r", "torch.nn.functional.relu", EXP, False),
+                            _fn("s", "torch.sum", {"ref": "r"})], "s")
+    validate_custom_loss(fine, "custom-loss-x")  # fx records the default, inplace=False

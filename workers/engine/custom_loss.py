@@ -126,6 +126,9 @@ class Interpreter:
         kwargs = {k: self._decode(v, env, where) for k, v in node.kwargs.items()}
         if any(k in ops.FORBIDDEN_KWARGS and v is not None and v is not False for k, v in kwargs.items()):
             raise CustomLossError(f"{where}: keyword arguments {sorted(ops.FORBIDDEN_KWARGS)} are not allowed")
+        position = ops.FORBIDDEN_POSITIONAL.get(node.target) if node.op == "call_function" else None
+        if position is not None and len(args) > position and args[position] is not None and args[position] is not False:
+            raise CustomLossError(f"{where}: argument {position} (in-place or out) is not allowed")
         if node.op == "call_method":
             if node.target not in ops.METHODS:
                 raise CustomLossError(f"{where}: method not allowed")
