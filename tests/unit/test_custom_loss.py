@@ -404,3 +404,37 @@ def test_writes_into_existing_tensors_are_refused() -> None:
     fine, _ = _handcrafted([exp, _fn("r", "torch.nn.functional.relu", EXP, False),
                             _fn("s", "torch.sum", {"ref": "r"})], "s")
     validate_custom_loss(fine, "custom-loss-x")  # fx records the default, inplace=False
+
+
+def test_indices_out_of_range_are_refused_before_the_op_runs() -> None:
+    """On CUDA an index out of range is not an exception but a device-side assert, after which the worker's CUDA
+    context is unusable for every tenant: the interpreter checks index values itself before any indexing op runs
+    (torch's own CPU error would come too late on a GPU, so the message must be the interpreter's)."""
+    def bad(n: int) -> Any:  # an index tensor of value n, computed from the logprobs (so no check can see it)
+        return lambda logprobs: (logprobs * 0 + n).long()
+
+    lp2 = lambda logprobs: logprobs.reshape(2, -1)  # noqa: E731
+    cases = [
+        lambda logprobs: (logprobs.gather(0, bad(4)(logprobs)).sum(), {}),
+        lambda logprobs: (torch.take_along_dim(logprobs, bad(-1)(logprobs)).sum(), {}),
+        lambda logprobs: (logprobs.index_select(0, bad(9)(logprobs)).sum(), {}),
+        lambda logprobs: (logprobs[bad(4)(logprobs)].sum(), {}),
+        lambda logprobs: (lp2(logprobs)[1:, bad(-3)(logprobs)[:1]].sum(), {}),
+        lambda logprobs: (F.cross_entropy(lp2(logprobs), bad(2)(logprobs)[:2]), {}),
+        lambda logprobs: (F.nll_loss(lp2(logprobs), bad(-1)(logprobs)[:2]), {}),
+        lambda logprobs: (F.one_hot(bad(5)(logprobs), 5).float().sum() + logprobs.sum(), {}),
+        lambda logprobs: (logprobs[..., None][bad(-5)(logprobs), 0].sum(), {}),
+    ]
+    inputs = [{"target_tokens": torch.zeros(4, dtype=torch.long)}]
+    for fn in cases:
+        with pytest.raises(CustomLossError, match="indices .* must lie in"):
+            run_custom_loss(program(fn, RANK1), [torch.zeros(4, requires_grad=True)], inputs)
+
+    def in_range(logprobs):  # type: ignore[no-untyped-def]
+        m = logprobs.reshape(2, -1)
+        i = (logprobs * 0).long()
+        return (logprobs.gather(0, i + 3).sum() + logprobs[i - 4].sum() + m[:, i[:1] - 2].sum()
+                + F.cross_entropy(m, i[:2] + 1) + F.nll_loss(m, i[:2] - 100, reduction="sum") + F.one_hot(i, 2).sum()), {}
+
+    out = run_custom_loss(program(in_range, RANK1), [torch.arange(4.0).requires_grad_()], inputs)
+    assert math.isfinite(out.metrics["loss:sum"])

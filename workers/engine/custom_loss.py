@@ -162,6 +162,8 @@ class Interpreter:
         tensor_op = any(isinstance(t, torch.Tensor) for t in _flat([args, kwargs])) or node.target in ops.FACTORIES
         sized = tensor_op and self._size_check(node, where, fn, call_args, kwargs,
                                                args[0] if node.op == "call_method" else None)
+        if tensor_op:
+            _check_indices(where, node.target, args, kwargs)
         try:
             out = fn(*call_args, **kwargs)
         except Exception as e:
@@ -348,6 +350,89 @@ def _check_pieces(where: str, target: str, args: list[Any], kwargs: dict[str, An
         count = len(size) if isinstance(size, (list, tuple)) else -(-length // size) if isinstance(size, int) and size > 0 else 0
     if count > MAX_PIECES:
         raise CustomLossError(f"{where}: {count} pieces; split, chunk and unbind may make at most {MAX_PIECES}")
+
+
+# Positional parameter names of the ops that index with tensor values (the same for a method: `input` is self).
+_INDEX_PARAMS = {
+    "gather": ("input", "dim", "index"), "index_select": ("input", "dim", "index"),
+    "take_along_dim": ("input", "indices", "dim"), "one_hot": ("input", "num_classes"),
+    "nll_loss": ("input", "target", "weight", "size_average", "ignore_index"),
+    "cross_entropy": ("input", "target", "weight", "size_average", "ignore_index"),
+}
+
+
+def _check_indices(where: str, target: str, args: list[Any], kwargs: dict[str, Any]) -> None:
+    """Index values must be in range BEFORE an indexing op runs: on CUDA an index out of range is not an
+    exception but a device-side assert, after which the worker's CUDA context is unusable for every tenant.
+    One host sync per index tensor. (Shapes, dims and index dtypes are checked by torch on the host.)"""
+    name = target.rsplit(".", 1)[-1]
+    checks: list[tuple[Any, int, int | None, int | None]] = []  # (index, low, high or None, also allowed)
+    if target == "operator.getitem":
+        if len(args) == 2 and isinstance(args[0], torch.Tensor):
+            checks = _getitem_checks(where, args[0], args[1])
+    elif name in _INDEX_PARAMS:
+        names = _INDEX_PARAMS[name]
+
+        def param(key: str, default: Any = None) -> Any:
+            i = names.index(key)
+            return args[i] if len(args) > i else kwargs.get(key, default)
+
+        x = param("input")
+        if not isinstance(x, torch.Tensor):
+            return
+        if name == "one_hot":
+            classes = param("num_classes", -1)
+            checks = [(x, 0, classes if isinstance(classes, int) and classes >= 0 else None, None)]
+        elif name in ("nll_loss", "cross_entropy"):
+            ignore = param("ignore_index", -100)
+            classes = x.shape[1] if x.ndim >= 2 else x.shape[0] if x.ndim == 1 else 1
+            checks = [(param("target"), 0, classes, ignore if isinstance(ignore, int) else None)]
+        else:
+            dim, index = param("dim"), param("indices" if name == "take_along_dim" else "index")
+            if dim is None and name == "take_along_dim":
+                size = x.numel()
+            elif isinstance(dim, int) and -max(x.ndim, 1) <= dim < max(x.ndim, 1):
+                size = x.shape[dim] if x.ndim else 1
+            else:
+                return  # torch refuses the dim on the host
+            checks = [(index, 0, size, None)]
+    for index, low, high, also in checks:
+        if not isinstance(index, torch.Tensor) or index.dtype.is_floating_point or index.dtype.is_complex \
+                or index.dtype in (torch.bool, torch.uint8) or index.numel() == 0:
+            continue  # masks, float "targets" (probabilities) and empty indices index nothing
+        bad = index < low if high is None else (index < low) | (index >= high)
+        if also is not None:
+            bad &= index != also
+        if bool(bad.any()):
+            span = f"[{low}, {high})" if high is not None else f"[{low}, ...)"
+            extra = f" (or {also})" if also is not None else ""
+            raise CustomLossError(f"{where}: index out of range: the indices here must lie in {span}{extra}")
+
+
+def _getitem_checks(where: str, x: torch.Tensor, index: Any) -> list[tuple[Any, int, int | None, int | None]]:
+    """x[index]: each integer index tensor against the size of the dim it indexes."""
+    items = index if isinstance(index, tuple) else (index,)
+    if any(isinstance(i, list) for i in items):
+        raise CustomLossError(f"{where}: index a tensor with ints, slices, None, ... or tensors, not lists")
+    masks = [i for i in items if isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)]
+    consumed = sum(m.ndim for m in masks) + sum(
+        1 for i in items if i is not None and i is not Ellipsis and not any(i is m for m in masks))
+    if sum(1 for i in items if i is Ellipsis) > 1:
+        return []  # torch refuses it on the host
+    checks: list[tuple[Any, int, int | None, int | None]] = []
+    dim = 0
+    for i in items:
+        if i is Ellipsis:
+            dim += max(x.ndim - consumed, 0)
+        elif i is None:
+            continue
+        elif any(i is m for m in masks):
+            dim += i.ndim
+        else:
+            if isinstance(i, torch.Tensor) and dim < x.ndim:
+                checks.append((i, -x.shape[dim], x.shape[dim], None))
+            dim += 1
+    return checks
 
 
 def _check_to(where: str, args: list[Any], kwargs: dict[str, Any]) -> None:
