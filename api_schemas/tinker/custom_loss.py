@@ -222,6 +222,10 @@ def _check_call(node: CustomLossNode, seen: set[str]) -> None:
     if position is not None and len(node.args) > position and node.args[position] is not None \
             and node.args[position] is not False:
         raise CustomLossRejected(f"argument {position} (in-place or out) is not allowed", node)
+    if node.target in ("torch.diff", "diff"):
+        order = node.kwargs.get("n", node.args[1] if len(node.args) > 1 else 1)
+        if isinstance(order, int) and order > ops.MAX_DIFF_ORDER:
+            raise CustomLossRejected(f"diff of order {order}; at most {ops.MAX_DIFF_ORDER}", node)
     for key in node.kwargs:
         if not NODE_NAME.fullmatch(key):
             raise CustomLossRejected("keyword names must be identifiers", node)

@@ -101,12 +101,16 @@ MAX_TOTAL_ELEMENTS = 1 << 28
 # The gateway refuses a request over it before queueing.
 MAX_NODE_RUNS = 1 << 17
 
+# torch.diff(x, n) differences n times (n passes over x, on meta too, while only the last result is charged).
+MAX_DIFF_ORDER = 4
+
 # Keyword arguments no node may pass: `out` and `inplace` write into an existing tensor (an input, or a value saved
 # for the backward), `requires_grad` makes new leaves, `pin_memory` and `generator` reach outside pure math, and
 # repeat_interleave's `output_size` is trusted by the CUDA kernel (a wrong one is a device-side assert, which
-# leaves the worker's CUDA context unusable for every tenant).
+# leaves the worker's CUDA context unusable for every tenant), and gather's `sparse_grad` makes the logprobs'
+# gradient sparse, which the merged backward through the base model does not take.
 FORBIDDEN_KWARGS: frozenset[str] = frozenset(
-    {"out", "inplace", "requires_grad", "pin_memory", "generator", "memory_format", "output_size"})
+    {"out", "inplace", "requires_grad", "pin_memory", "generator", "memory_format", "output_size", "sparse_grad"})
 # The same parameters where a function also takes them positionally: F.relu(x, True) is in-place, and the fifth
 # parameter of F.normalize is `out`. target -> the position of that parameter in the node's args.
 FORBIDDEN_POSITIONAL: dict[str, int] = {

@@ -438,3 +438,36 @@ def test_indices_out_of_range_are_refused_before_the_op_runs() -> None:
 
     out = run_custom_loss(program(in_range, RANK1), [torch.arange(4.0).requires_grad_()], inputs)
     assert math.isfinite(out.metrics["loss:sum"])
+
+
+def test_sparse_gradients_are_refused() -> None:
+    """gather(sparse_grad=True) makes the logprobs' gradient a sparse tensor, which the merged backward through
+    the base model does not take."""
+    i = _method("i", "long", {"ref": "z"})
+    calls = [_method("z", "mul", LP, 0), i, _fn("g", "torch.gather", LP, 0, {"ref": "i"}, sparse_grad=True),
+             _method("s", "sum", {"ref": "g"})]
+    req, unchecked = _handcrafted(calls, "s")
+    with pytest.raises(CustomLossRejected, match="not allowed"):
+        validate_custom_loss(req, "custom-loss-x")
+    with pytest.raises(CustomLossError, match="not allowed"):
+        run_custom_loss(unchecked, [torch.zeros(4, requires_grad=True)], [{"target_tokens": torch.zeros(4, dtype=torch.long)}])
+
+
+def test_diff_order_is_bounded() -> None:
+    """torch.diff(x, n) differences n times: n passes over x (on meta too), charged as one result. An n in the
+    thousands costs O(n * len(x)): seconds of the shared step for a loss under every element budget."""
+    def constant(logprobs):  # type: ignore[no-untyped-def]
+        return torch.diff(logprobs.repeat(50), n=5000).sum(), {}
+
+    def computed(logprobs):  # type: ignore[no-untyped-def]
+        return logprobs.repeat(50).diff(logprobs.shape[0] * 1000).sum(), {}
+
+    def fine(logprobs):  # type: ignore[no-untyped-def]
+        return torch.diff(logprobs, n=2).sum() + logprobs.diff().sum(), {}
+
+    with pytest.raises(CustomLossRejected, match="diff"):
+        program(constant, RANK1)
+    lp = [torch.zeros(1000, requires_grad=True)]
+    with pytest.raises(CustomLossError, match=f"at most {ops.MAX_DIFF_ORDER}"):
+        _run(computed, RANK1, lp)
+    assert _run(fine, RANK1, lp).metrics["loss:sum"] == 0.0

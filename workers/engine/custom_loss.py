@@ -159,6 +159,10 @@ class Interpreter:
             kwargs["device"] = self.device
         if node.target in _PIECES:
             _check_pieces(where, node.target, args, kwargs)
+        if node.target in ("torch.diff", "diff"):
+            order = kwargs.get("n", args[1] if len(args) > 1 else 1)
+            if not (isinstance(order, int) and order <= ops.MAX_DIFF_ORDER):
+                raise CustomLossError(f"{where}: diff's n must be an integer, at most {ops.MAX_DIFF_ORDER}")
         tensor_op = any(isinstance(t, torch.Tensor) for t in _flat([args, kwargs])) or node.target in ops.FACTORIES
         sized = tensor_op and self._size_check(node, where, fn, call_args, kwargs,
                                                args[0] if node.op == "call_method" else None)
