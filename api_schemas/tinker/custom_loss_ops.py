@@ -90,7 +90,8 @@ FACTORIES: frozenset[str] = frozenset(
 # Size limits the worker enforces on every intermediate tensor (before allocating it, via the meta device); the
 # gateway already rejects a factory whose constant size is over the first.
 MAX_ELEMENTS = 1 << 24  # one intermediate tensor (64 MiB of float32)
-# Every intermediate of one job, all datums together: TOTAL_ELEMENTS_PER_TOKEN per logprob of the job, within
+# Every intermediate of one job, all datums together, plus the gradients its backward writes (an op's operands that
+# need one: x[0] is a view, but its backward writes a gradient the size of x): TOTAL_ELEMENTS_PER_TOKEN per logprob of the job, within
 # [MIN_TOTAL_ELEMENTS, MAX_TOTAL_ELEMENTS]. A loss's work then grows with its job's forward pass (which costs far
 # more per token), so a small request cannot buy a long step that every merged tenant waits for.
 TOTAL_ELEMENTS_PER_TOKEN = 256

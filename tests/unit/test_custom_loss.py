@@ -471,3 +471,19 @@ def test_diff_order_is_bounded() -> None:
     with pytest.raises(CustomLossError, match=f"at most {ops.MAX_DIFF_ORDER}"):
         _run(computed, RANK1, lp)
     assert _run(fine, RANK1, lp).metrics["loss:sum"] == 0.0
+
+
+def test_backward_cost_is_charged() -> None:
+    """x[i:i+1] is a view (no forward cost) but its backward writes a gradient as big as x: each op is charged
+    the operands its backward writes, or many slices of one big tensor cost far more than the job's budget."""
+    def slices(logprobs):  # type: ignore[no-untyped-def]
+        x = logprobs.repeat(4000)  # 4M elements
+        s = x[0:1]
+        for i in range(1, 20):
+            s = s + x[i:i + 1]  # 20 backwards writing 4M each: 80M, over the job's 16M
+        return s.sum(), {}
+
+    with pytest.raises(CustomLossError, match="in all"):
+        _run(slices, RANK1, [torch.zeros(1000, requires_grad=True)])
+    out = _run(slices, RANK1, [torch.zeros(1000)])  # forward only: no backward to pay for
+    assert out.metrics["loss:sum"] == 0.0

@@ -77,7 +77,7 @@ class Budget:
             self.total += n
             if self.total > self.limit:
                 raise CustomLossError(
-                    f"{where}: the loss's intermediates exceed {self.limit} elements in all (a job's budget: "
+                    f"{where}: the loss's intermediates and backward exceed {self.limit} elements in all (a job's budget: "
                     f"{ops.TOTAL_ELEMENTS_PER_TOKEN} per logprob, at least {ops.MIN_TOTAL_ELEMENTS}); "
                     "use fewer or smaller operations"
                 )
@@ -174,6 +174,10 @@ class Interpreter:
             raise CustomLossError(f"{where}: {type(e).__name__}: {_short(e)}") from e
         if tensor_op and not sized:  # a data-dependent op: never bigger than its operands, counted now
             self.budget.charge(where, out)
+        if tensor_op and any(t.requires_grad for t in _tensors(out)):
+            # its backward writes a gradient as big as each operand that needs one (x[0]'s backward writes all of x)
+            self.budget.charge_sizes(where, [t.numel() for t in _flat([args, kwargs])
+                                             if isinstance(t, torch.Tensor) and t.requires_grad])
         return _check_result(where, out)
 
     def _size_check(self, node: ProgramNode, where: str, fn: Callable[..., Any], args: list[Any],
