@@ -80,9 +80,10 @@ class LoraLinear(nn.Module):
 
     def _routed_delta(self, x: torch.Tensor, routes: tuple[Route, ...]) -> torch.Tensor:
         """The LoRA term of every row through its route's adapter, in two batched matmuls whatever the number of
-        routes: the adapters' A and B are zero-padded to the largest rank (padding adds exact zeros), stacked and
-        gathered per row. Rows of no route, of no adapter or of an adapter that does not target this layer get
-        zero. The per-row index is computed once per routing and shared by every layer (no host sync per layer)."""
+        routes: the adapters' A and B are stacked (zero-padded to the largest rank where ranks differ: padding adds
+        exact zeros) and gathered per row, and each row's scale multiplies its rank-width term. Rows of no route, of
+        no adapter or of an adapter that does not target this layer get zero. The per-row index and scale are
+        computed once per routing and shared by every layer (no host sync per layer)."""
         adapters, index = _row_index(routes, x.shape[0], x.device)
         present = [a for a in adapters if a in self.lora_A]
         rank = max(self.lora_A[a].shape[0] for a in present)
@@ -92,11 +93,24 @@ class LoraLinear(nn.Module):
         stack_a = torch.stack([zeros_a] + [
             _pad_rows(self.lora_A[a], rank) if a in self.lora_A else zeros_a for a in adapters])
         stack_b = torch.stack([zeros_b] + [
-            _pad_cols(self.lora_B[a] * self.scale[a], rank) if a in self.lora_A else zeros_b for a in adapters])
+            _pad_cols(self.lora_B[a], rank) if a in self.lora_A else zeros_b for a in adapters])
+        scale = _row_scale(adapters, index, self.scale, w.dtype)
         rows = x if x.dim() == 3 else x.unsqueeze(1)
-        h = torch.bmm(rows, stack_a.index_select(0, index).transpose(1, 2))
+        h = torch.bmm(rows, stack_a.index_select(0, index).transpose(1, 2)) * scale
         delta = torch.bmm(h, stack_b.index_select(0, index).transpose(1, 2))
         return delta if x.dim() == 3 else delta.squeeze(1)
+
+
+def _row_scale(adapters: list[str], index: torch.Tensor, scales: dict[str, float], dtype: torch.dtype) -> torch.Tensor:
+    """(rows, 1, 1): each row's adapter scale (0 for rows of no adapter), cached per routing, dtype and scales."""
+    cache: dict[tuple, torch.Tensor] = getattr(_routing, "scale", {})
+    values = tuple(scales.get(a, 0.0) for a in adapters)
+    key = (index.shape[0], index.device, dtype, values)
+    hit = cache.get(key)
+    if hit is None:
+        table = torch.tensor((0.0, *values), dtype=dtype, device=index.device)
+        hit = cache[key] = table.index_select(0, index).view(-1, 1, 1)
+    return hit
 
 
 def _row_index(routes: tuple[Route, ...], n_rows: int, device: torch.device) -> tuple[list[str], torch.Tensor]:
@@ -154,9 +168,9 @@ def routed(layers: dict[str, LoraLinear], routes: list[Route]) -> Iterator[None]
     `layers` names the model being routed; the routing itself is thread-local, so concurrent forwards on other
     threads (the sampler's, the trainer's) keep their own."""
     del layers  # every LoraLinear reads the thread's routing; kept in the signature for the callers' clarity
-    previous = current_routes(), getattr(_routing, "index", {})
-    _routing.routes, _routing.index = tuple(routes), {}
+    previous = current_routes(), getattr(_routing, "index", {}), getattr(_routing, "scale", {})
+    _routing.routes, _routing.index, _routing.scale = tuple(routes), {}, {}
     try:
         yield
     finally:
-        _routing.routes, _routing.index = previous
+        _routing.routes, _routing.index, _routing.scale = previous
