@@ -35,7 +35,8 @@ def as_custom(plain: Job, fn) -> Job:  # type: ignore[no-untyped-def]
     msg = pb.ForwardBackwardRequest.FromString(plain.payload.request_pb)
     msg.loss_fn = "custom"
     msg.loss_fn_config_v2["loss_id"].text = prog.loss_id
-    payload = ForwardBackward(request_pb=msg.SerializeToString(), forward_only=False, custom_loss=prog)
+    payload = ForwardBackward(request_pb=msg.SerializeToString(), forward_only=plain.payload.forward_only,
+                              custom_loss=prog)
     return job(plain.model_id, plain.seq_id, payload)
 
 
@@ -100,3 +101,16 @@ def test_a_loss_whose_backward_fails_fails_alone(tiny_model_dir: Path, tmp_path:
     assert passes == [2]  # one merged pass, not rerun job by job
     assert _rel(_grads(t, "d"), solo) < TOL["float32"]
     assert all(g is None for g in t.pool.get("a").grads)
+
+
+def test_a_forward_only_loss_is_the_same_next_to_a_training_job(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A forward-only job runs no backward, whoever shares its pass: a training job in the same pass (which turns
+    autograd on for the pass) must not make its loss pay for, or fail in, a backward it never runs."""
+    t = _trainer(tiny_model_dir, tmp_path, "float32")
+    rng = np.random.default_rng(6)
+    forward = as_custom(fb("a", 3, random_rows(rng, 2, 4, 14), forward_only=True), floor_div)
+    alone = t.execute(forward)
+    assert alone.ok, alone.error
+    results = {r.job_id: r for r in _step(t, [forward, fb("d", 3, random_rows(rng, 2, 4, 14))])}
+    assert all(r.ok for r in results.values()), [r.error for r in results.values()]
+    assert loss_of(results[forward.job_id].body) == pytest.approx(loss_of(alone.body), rel=1e-6)

@@ -139,7 +139,9 @@ class MergedPass:
             targets = tensors["target_tokens"]
             n = len(d.tokens)
             flat = targets.reshape(n, -1)
-            lps.append(logp[it.start + i, :n].gather(-1, flat).reshape(targets.shape))
+            lp = logp[it.start + i, :n].gather(-1, flat).reshape(targets.shape)
+            # a forward-only job's loss builds no graph, whoever shares the pass (a custom loss runs its own backward)
+            lps.append(lp.detach() if it.forward_only else lp)
             inputs.append({k: (v.to(logp.dtype) if v.is_floating_point() else v) for k, v in tensors.items()})
         payload = it.job.payload
         assert isinstance(payload, ForwardBackward)
