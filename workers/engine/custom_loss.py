@@ -11,7 +11,8 @@ huge factory, `repeat` or broadcast. Nothing is eval'd, compiled or unpickled. E
 
 Semantics follow the SDK's client-side `run_loss_handle`: the loss runs once per datum on (logprobs, *the
 loss_fn_inputs it names); the datum losses are SUMMED; metrics `custom/<name>:sum` are summed over datums and
-`custom/<name>:mean` averaged.
+`custom/<name>:mean` averaged. The loss's backward runs here too, down to the logprobs only (`_own_backward`): the
+merged step's backward sees a loss linear in the logprobs, never the tenant's graph.
 """
 
 from __future__ import annotations
