@@ -97,6 +97,14 @@ MALICIOUS = {
     "unhashable-ref": lambda g: _replace_call(g, "torch.exp", [{"ref": []}]),
     "unhashable-attr": lambda g: _replace_call(g, "getattr", [LP, ["shape"]]),
     "out-zero": lambda g: _replace_call(g, "torch.exp", [LP], {"out": 0}),
+    # writes into an existing tensor passed positionally or as inplace=; sizes a CUDA kernel trusts; sparse grads
+    "relu-inplace-positional": lambda g: _replace_call(g, "torch.nn.functional.relu", [LP, True]),
+    "silu-inplace-kwarg": lambda g: _replace_call(g, "torch.nn.functional.silu", [LP], {"inplace": True}),
+    "normalize-out-positional": lambda g: _replace_call(g, "torch.nn.functional.normalize", [LP, 2.0, 0, 1e-12, LP]),
+    "repeat_interleave-output_size": lambda g: _replace_call(g, "repeat_interleave", [LP, 2], {"output_size": 3},
+                                                             op="call_method"),
+    "gather-sparse_grad": lambda g: _replace_call(g, "torch.gather", [LP, 0, LP], {"sparse_grad": True}),
+    "diff-order": lambda g: _replace_call(g, "torch.diff", [LP], {"n": 5000}),
 }
 
 
