@@ -424,10 +424,15 @@ def test_indices_out_of_range_are_refused_before_the_op_runs() -> None:
         lambda logprobs: (F.nll_loss(lp2(logprobs), bad(-1)(logprobs)[:2]), {}),
         lambda logprobs: (F.one_hot(bad(5)(logprobs), 5).float().sum() + logprobs.sum(), {}),
         lambda logprobs: (logprobs[..., None][bad(-5)(logprobs), 0].sum(), {}),
+        lambda logprobs: (logprobs.reshape(1, -1)[True, bad(2)(logprobs)].sum(), {}),  # True adds a dim, uses none
     ]
     inputs = [{"target_tokens": torch.zeros(4, dtype=torch.long)}]
     for fn in cases:
         with pytest.raises(CustomLossError, match="indices .* must lie in"):
+            run_custom_loss(program(fn, RANK1), [torch.zeros(4, requires_grad=True)], inputs)
+
+    for fn in (lambda logprobs: (logprobs[((0, 7),)].sum(), {}), lambda logprobs: (logprobs[[0, 7]].sum(), {})):
+        with pytest.raises(CustomLossError, match="not lists or nested tuples"):  # sequences become index tensors
             run_custom_loss(program(fn, RANK1), [torch.zeros(4, requires_grad=True)], inputs)
 
     def in_range(logprobs):  # type: ignore[no-untyped-def]

@@ -421,10 +421,12 @@ def _check_indices(where: str, target: str, args: list[Any], kwargs: dict[str, A
 def _getitem_checks(where: str, x: torch.Tensor, index: Any) -> list[tuple[Any, int, int | None, int | None]]:
     """x[index]: each integer index tensor against the size of the dim it indexes."""
     items = index if isinstance(index, tuple) else (index,)
-    if any(isinstance(i, list) for i in items):
-        raise CustomLossError(f"{where}: index a tensor with ints, slices, None, ... or tensors, not lists")
-    masks = [i for i in items if isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)]
-    consumed = sum(m.ndim for m in masks) + sum(
+    if not all(i is None or i is Ellipsis or isinstance(i, (int, slice, torch.Tensor)) for i in items):
+        raise CustomLossError(f"{where}: a tensor index is made of ints, slices, None, ... and tensors "
+                              "(not lists or nested tuples, which torch turns into index tensors)")
+    # True/False and boolean masks index ndim dims (0 for a Python bool), None and ... none of their own
+    masks = [i for i in items if isinstance(i, bool) or isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)]
+    consumed = sum(getattr(m, "ndim", 0) for m in masks) + sum(
         1 for i in items if i is not None and i is not Ellipsis and not any(i is m for m in masks))
     if sum(1 for i in items if i is Ellipsis) > 1:
         return []  # torch refuses it on the host
@@ -436,7 +438,7 @@ def _getitem_checks(where: str, x: torch.Tensor, index: Any) -> list[tuple[Any, 
         elif i is None:
             continue
         elif any(i is m for m in masks):
-            dim += i.ndim
+            dim += getattr(i, "ndim", 0)
         else:
             if isinstance(i, torch.Tensor) and dim < x.ndim:
                 checks.append((i, -x.shape[dim], x.shape[dim], None))
