@@ -248,6 +248,19 @@ def test_loss_shape_and_gradient_edge_cases() -> None:
                                                           "w": torch.ones(3, 2)}])
 
 
+def test_masked_infinite_logprobs_keep_a_finite_loss_and_gradient() -> None:
+    """A loss that masks out -inf logprobs is finite and so is its gradient (0 there): the loss handed to the
+    merged step must not multiply the logprobs by their gradient (-inf * 0 is NaN)."""
+    def masked(logprobs):  # type: ignore[no-untyped-def]
+        return torch.where(torch.isfinite(logprobs), logprobs, 0.0).sum(), {}
+
+    lp = torch.tensor([-1.0, -math.inf, -2.0], requires_grad=True)
+    out = _run(masked, RANK1, [lp])
+    assert out.metrics["loss:sum"] == -3.0 and float(out.loss.detach()) == -3.0
+    (grad,) = torch.autograd.grad(out.loss, lp)
+    assert grad.tolist() == [1.0, 0.0, 1.0]
+
+
 def test_static_check_of_sdk_graphs() -> None:
     for fn, ranks in CASES.values():
         prog = program(fn, ranks)

@@ -562,6 +562,19 @@ def _own_backward(program: CustomLossProgram, total: torch.Tensor, logprobs: lis
     except Exception as e:  # noqa: BLE001 - anything the loss's own backward raises is the loss's fault
         raise CustomLossError(f"custom loss {program.name!r}: its backward failed: {type(e).__name__}: "
                               f"{_short(e)}") from e
-    linear = torch.stack([(lp * (torch.zeros_like(lp) if g is None else g)).sum() for g, lp in zip(grads, trained)]).sum()
-    return total.detach() + (linear - linear.detach())
+    return _KnownGradient.apply(total.detach(), list(grads), *trained)  # type: ignore[no-any-return]
+
+
+class _KnownGradient(torch.autograd.Function):
+    """`value`, whose gradient w.r.t. the logprobs is `grads` (times the incoming gradient). No arithmetic on the
+    logprobs' values: a masked-out -inf logprob has gradient 0, where lp * grad would make it NaN."""
+
+    @staticmethod
+    def forward(ctx: Any, value: torch.Tensor, grads: list[torch.Tensor | None], *logprobs: torch.Tensor) -> torch.Tensor:
+        ctx.grads = grads
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx: Any, out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return (None, None, *(None if g is None else g * out for g in ctx.grads))
 
