@@ -73,7 +73,7 @@ class CustomLossGraph(_Tolerant):
 
 class CreateCustomLossRequest(_Tolerant):
     session_id: str
-    custom_loss_seq_id: int = Field(ge=0)
+    custom_loss_seq_id: int = Field(ge=0, lt=2**31)  # an SQL INTEGER (32 bits in Postgres)
     name: str
     inputs: list[CustomLossInput]
     graph: CustomLossGraph

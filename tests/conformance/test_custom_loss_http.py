@@ -246,3 +246,9 @@ def test_loss_belongs_to_its_session_and_tenant(server: ServerProcess) -> None:
     r = _post(server, key_b, "create_custom_loss", _body(_session(server, key_a), _graph()))
     assert r.status_code == 404  # tenant B cannot create a loss in tenant A's session
     assert _stored(server) == before
+
+
+def test_a_seq_id_beyond_sql_integer_is_a_400(server: ServerProcess, session_a: str) -> None:
+    key = server.api_key_a  # type: ignore[attr-defined]
+    r = _post(server, key, "create_custom_loss", _body(session_a, _graph(), 2**31))
+    assert r.status_code == 400 and "custom_loss_seq_id" in r.json()["detail"], r.text
