@@ -12,7 +12,7 @@ huge factory, `repeat` or broadcast. Nothing is eval'd, compiled or unpickled. E
 Semantics follow the SDK's client-side `run_loss_handle`: the loss runs once per datum on (logprobs, *the
 loss_fn_inputs it names); the datum losses are SUMMED; metrics `custom/<name>:sum` are summed over datums and
 `custom/<name>:mean` averaged. The loss's backward runs here too, down to the logprobs only (`_own_backward`): the
-merged step's backward sees a loss linear in the logprobs, never the tenant's graph.
+merged step's backward gets the loss's gradient w.r.t. the logprobs, never the tenant's graph.
 """
 
 from __future__ import annotations
@@ -550,8 +550,8 @@ def run_custom_loss(program: CustomLossProgram, logprobs: list[torch.Tensor],
 
 
 def _own_backward(program: CustomLossProgram, total: torch.Tensor, logprobs: list[torch.Tensor]) -> torch.Tensor:
-    """Run the loss's backward now, down to the logprobs only, and return a loss of the same value that is linear
-    in the logprobs with that gradient (what the SDK's client-side custom loss sends as weights).
+    """Run the loss's backward now, down to the logprobs only, and return a loss of the same value whose gradient
+    w.r.t. the logprobs is that one (as the SDK's client-side custom loss sends it, as weights).
 
     The merged step's backward then never runs a tenant's graph: a backward that raises (an op without a
     derivative, such as floor_divide) fails this job alone, as the user's, instead of faulting the pass that every
