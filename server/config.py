@@ -58,6 +58,7 @@ class Settings(BaseSettings):
     signing_secret: SecretStr | None = None  # signs download URLs, encrypts hub tokens; default: a file in data_dir
     public_base_url: str | None = None  # base of signed download URLs; default: the URL the client called
     download_url_ttl_seconds: int = Field(3600, ge=60, le=7 * 24 * 3600)
+    max_custom_losses_per_session: int = Field(64, gt=0)  # create_custom_loss beyond it: 400
     maintenance_interval_seconds: float = Field(30.0, gt=0)  # TTL sweep, stale pending saves, auto-push
     hf_endpoint: str = "https://huggingface.co"
     modelscope_endpoint: str = "https://www.modelscope.cn"

@@ -9,11 +9,15 @@ upload gets the first loss back, a different upload under the same seq_id is ref
 
 The SDK waits for the create as a future. Its request id is the loss id, and retrieve_future answers it from
 the stored row (`answer`), so a created loss's future survives a gateway restart like the loss itself.
+
+A session holds at most TWINKLE_MAX_CUSTOM_LOSSES_PER_SESSION losses, and the rows of ended sessions are deleted by
+the maintenance loop (`drop_ended`): nothing can use them any more (queued jobs carry their own copy of the graph).
 """
 
 from __future__ import annotations
 
 import uuid
+from datetime import timedelta
 
 from pydantic import ValidationError
 from sqlalchemy.exc import IntegrityError
@@ -28,7 +32,7 @@ from api_schemas.tinker.custom_loss import (
 )
 from api_schemas.tinker.types import UntypedFuture
 from server.db import custom_loss_repo as repo
-from server.db.models import CustomLossRow, ModelRow
+from server.db.models import CustomLossRow, ModelRow, utcnow
 from server.errors import BadRequest, NotFound, PayloadTooLarge
 from server.services.context import Context
 from server.services.sessions import live_session
@@ -56,6 +60,12 @@ async def create(ctx: Context, tenant_id: str, body: bytes) -> UntypedFuture:
     digest = program.digest()
     existing = await _by_seq(ctx, tenant_id, req.session_id, req.custom_loss_seq_id)
     if existing is None:
+        limit = ctx.settings.max_custom_losses_per_session
+        async with ctx.db.session() as s:
+            held = await repo.count_of_session(s, req.session_id)
+        if held >= limit:
+            raise BadRequest(f"session {req.session_id} already holds {held} custom losses, the limit of this server "
+                             "(TWINKLE_MAX_CUSTOM_LOSSES_PER_SESSION); reuse them or start a new session")
         row = CustomLossRow(id=program.loss_id, tenant_id=tenant_id, session_id=req.session_id,
                             seq_id=req.custom_loss_seq_id, name=program.name, digest=digest,
                             program=program.model_dump(mode="json"))
@@ -94,3 +104,10 @@ async def resolve(ctx: Context, tenant_id: str, model: ModelRow, loss_id: str) -
     if row is None or row.session_id != model.session_id:
         raise NotFound(f"custom loss {loss_id[:80]!r} not found (unknown, or not created by the session of {model.id})")
     return CustomLossProgram.model_validate(row.program)
+
+
+async def drop_ended(ctx: Context) -> int:
+    """Maintenance step: delete the custom losses of finished or timed-out sessions; returns how many went."""
+    stale_before = utcnow() - timedelta(seconds=ctx.settings.session_timeout_seconds)
+    async with ctx.db.session() as s:
+        return await repo.delete_of_ended_sessions(s, stale_before)

@@ -1,6 +1,7 @@
 """The gateway's maintenance loop, started in the app lifespan: expire checkpoints past their TTL (files and rows),
 settle saves whose future nobody collected, start the auto-pushes of finished runs, reclaim ephemeral sampler
-weights nobody can use any more, and release the models of ended sessions (server/services/release.py).
+weights nobody can use any more, release the models of ended sessions (server/services/release.py) and drop
+their custom losses.
 
 Every step is idempotent, so several gateways of a cluster may run the loop side by side.
 """
@@ -11,7 +12,7 @@ import asyncio
 import logging
 
 from server.services import checkpoints as ckpt
-from server.services import hub_push, release, sampling
+from server.services import custom_losses, hub_push, release, sampling
 from server.services.context import Context
 
 log = logging.getLogger(__name__)
@@ -26,7 +27,7 @@ async def run_maintenance(ctx: Context) -> None:
 
 async def maintain_once(ctx: Context) -> None:
     steps = (ckpt.sweep_expired, ckpt.settle_pending, hub_push.trigger_auto_pushes, sampling.reclaim_ephemeral,
-             release.release_ended_models)
+             release.release_ended_models, custom_losses.drop_ended)
     for step in steps:
         try:
             await step(ctx)

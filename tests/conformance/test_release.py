@@ -1,5 +1,6 @@
 """Models of ended sessions are released (server/services/release.py): the stock SDK's training client of a
-closed ServiceClient gets 410, the worker frees the adapter, and a saved state brings the run back exactly."""
+closed ServiceClient gets 410, the worker frees the adapter, and a saved state brings the run back exactly. The
+session's custom losses are capped and go with it."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 import tinker
 from tinker import types
 
+from tests.conformance.test_custom_loss_http import _body, _graph, _post, _session
 from tests.conformance.test_sft import batch
 from tests.support.server import ServerProcess
 
@@ -19,7 +21,7 @@ from tests.support.server import ServerProcess
 @pytest.fixture(scope="module")
 def srv(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     s = ServerProcess(tmp_path_factory.mktemp("release-server"), str(tiny_model_dir),
-                      env={"TWINKLE_MAINTENANCE_INTERVAL_SECONDS": "0.5"})
+                      env={"TWINKLE_MAINTENANCE_INTERVAL_SECONDS": "0.5", "TWINKLE_MAX_CUSTOM_LOSSES_PER_SESSION": "2"})
     s.api_key = s.create_key("tenant-r")  # type: ignore[attr-defined]
     s.start()
     yield s
@@ -68,3 +70,21 @@ def test_a_finished_sessions_model_is_released_and_its_saved_state_brings_it_bac
         tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
         time.sleep(1.5)  # several maintenance rounds: a live session's model is never released
         assert tc.forward(data, "cross_entropy").result().metrics["loss:sum"] > 0
+
+
+def test_custom_losses_are_capped_per_session_and_dropped_when_it_ends(srv: ServerProcess) -> None:
+    key: str = srv.api_key  # type: ignore[attr-defined]
+    session = _session(srv, key)
+    first, second = (_post(srv, key, "create_custom_loss", _body(session, _graph(), seq=i)) for i in (1, 2))
+    assert first.status_code == second.status_code == 200, (first.text, second.text)
+    third = _post(srv, key, "create_custom_loss", _body(session, _graph(), seq=3))
+    assert third.status_code == 400 and "limit" in third.json()["detail"], third.text
+    retry = _post(srv, key, "create_custom_loss", _body(session, _graph(), seq=1))  # a retry is no new loss
+    assert retry.status_code == 200 and retry.json()["request_id"] == first.json()["request_id"]
+    loss_id = first.json()["request_id"]
+    assert _post(srv, key, "retrieve_future", {"request_id": loss_id}).status_code == 200
+    assert _post(srv, key, f"sessions/{session}/finish", {"reason": {"type": "success"}}).status_code == 200
+    deadline = time.monotonic() + 30
+    while _post(srv, key, "retrieve_future", {"request_id": loss_id}).status_code != 404:
+        assert time.monotonic() < deadline, "the ended session's custom losses were not dropped"
+        time.sleep(0.3)
