@@ -139,7 +139,12 @@ def weights_survive_kill(gw: Gateway, redis_url: str, prefix: str, model: str, c
         got = adapter_state(gw.data_dir, tc, "after-kill")
         recovered_s = time.monotonic() - t_kill
     worst = max((got[k] - expected[k]).abs().max().item() for k in expected)
+    # The dead replica's heartbeat stays listed until it expires; the run may finish before that.
+    deadline = time.monotonic() + 60
     new_pids = _trainer_pids(redis_url, prefix)
+    while (old_pid in new_pids or not new_pids) and time.monotonic() < deadline:
+        time.sleep(0.5)
+        new_pids = _trainer_pids(redis_url, prefix)
     rebuilt = cluster.grep_serve_logs("rebuilt ") - rebuilt_before
     ready = gw.wait_ready(timeout=60)
     ok = (got.keys() == expected.keys() and worst < 1e-6 and len(new_pids) == 1 and new_pids[0] != old_pid
