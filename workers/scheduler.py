@@ -99,6 +99,7 @@ class Scheduler:
         self._vtime = 0.0
         self._barriers_in_a_row = 0
         self._released: dict[str, None] = {}  # insertion-ordered set
+        self._releasing: dict[str, None] = {}  # models whose line holds a release (looked at without a full scan)
 
     def add(self, job: Job, now: float) -> Rejection | None:
         if job.model_id in self._released:
@@ -109,6 +110,7 @@ class Scheduler:
             if line.release is not None:
                 return Rejection(job, f"model {job.model_id} is already being released")
             line.release = job
+            self._releasing[job.model_id] = None
             return None
         if line is None:
             line = self._lines[job.model_id] = _Line(next_seq=0)
@@ -140,13 +142,15 @@ class Scheduler:
 
     def has_ready(self, now: float) -> bool:
         self._skip_gaps(now)
-        return any(line.next_seq in line.pending or (line.release and not line.pending) for line in self._lines.values())
+        return any(not self._lines[m].pending for m in self._releasing) or any(
+            line.next_seq in line.pending for line in self._lines.values())
 
     def _pop_release(self) -> Job | None:
         """A release whose model has nothing queued any more; the model's line ends with it."""
-        for model_id, line in self._lines.items():
+        for model_id in self._releasing:
+            line = self._lines[model_id]
             if line.release is not None and not line.pending:
-                del self._lines[model_id]
+                del self._lines[model_id], self._releasing[model_id]
                 self._released[model_id] = None
                 if len(self._released) > self.max_remembered_releases:
                     del self._released[next(iter(self._released))]
@@ -213,6 +217,7 @@ class Scheduler:
 
     def forget(self, model_id: str) -> None:
         self._lines.pop(model_id, None)
+        self._releasing.pop(model_id, None)
 
     def waiting(self) -> int:
         return sum(len(line.pending) for line in self._lines.values())
