@@ -91,9 +91,9 @@ class LoraLinear(nn.Module):
         zeros_a = torch.zeros(rank, self.base.in_features, dtype=w.dtype, device=w.device)
         zeros_b = torch.zeros(self.base.out_features, rank, dtype=w.dtype, device=w.device)
         stack_a = torch.stack([zeros_a] + [
-            _pad_rows(self.lora_A[a], rank) if a in self.lora_A else zeros_a for a in adapters])
+            pad_rows(self.lora_A[a], rank) if a in self.lora_A else zeros_a for a in adapters])
         stack_b = torch.stack([zeros_b] + [
-            _pad_cols(self.lora_B[a], rank) if a in self.lora_A else zeros_b for a in adapters])
+            pad_cols(self.lora_B[a], rank) if a in self.lora_A else zeros_b for a in adapters])
         scale = _row_scale(adapters, index, self.scale, w.dtype)
         rows = x if x.dim() == 3 else x.unsqueeze(1)
         h = torch.bmm(rows, stack_a.index_select(0, index).transpose(1, 2)) * scale
@@ -129,11 +129,12 @@ def _row_index(routes: tuple[Route, ...], n_rows: int, device: torch.device) -> 
     return hit
 
 
-def _pad_rows(t: torch.Tensor, n: int) -> torch.Tensor:
+def pad_rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    """`t` with zero rows appended up to `n` rows (a lower rank's A, or B^T, stacked beside a higher rank's)."""
     return t if t.shape[0] == n else torch.nn.functional.pad(t, (0, 0, 0, n - t.shape[0]))
 
 
-def _pad_cols(t: torch.Tensor, n: int) -> torch.Tensor:
+def pad_cols(t: torch.Tensor, n: int) -> torch.Tensor:
     return t if t.shape[1] == n else torch.nn.functional.pad(t, (0, n - t.shape[1]))
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.engine.multi_lora import LoraLinear
+from workers.engine.multi_lora import LoraLinear, pad_rows
 
 
 @dataclass(frozen=True)
@@ -158,9 +158,8 @@ class SamplerLora:
             return cached[1], cached[2]
         per_layer = self.weights[name]
         rank = max(per_layer[s][0].shape[1] for s in slots)
-        pad = torch.nn.functional.pad
-        a = torch.stack([pad(per_layer[s][0].t(), (0, 0, 0, rank - per_layer[s][0].shape[1])) for s in slots])
-        b = torch.stack([pad(per_layer[s][1], (0, 0, 0, rank - per_layer[s][1].shape[0])) for s in slots])
+        a = torch.stack([pad_rows(per_layer[s][0].t(), rank) for s in slots])
+        b = torch.stack([pad_rows(per_layer[s][1], rank) for s in slots])
         self._stacks[name] = (slots, a, b)
         return a, b
 
