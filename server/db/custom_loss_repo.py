@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import delete, func, or_, select
+from sqlalchemy import delete, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from server.db.models import CustomLossRow, SessionRow
+from server.db.repositories import session_ended
 
 
 async def custom_loss_of(s: AsyncSession, tenant_id: str, loss_id: str) -> CustomLossRow | None:
@@ -28,7 +29,6 @@ async def count_of_session(s: AsyncSession, session_id: str) -> int:
 
 async def delete_of_ended_sessions(s: AsyncSession, stale_before: datetime) -> int:
     """Delete the custom losses of sessions that finished or sent no heartbeat since `stale_before`."""
-    ended = select(SessionRow.id).where(or_(SessionRow.finished_at.is_not(None),
-                                            SessionRow.last_heartbeat_at < stale_before))
+    ended = select(SessionRow.id).where(session_ended(stale_before))
     result = await s.execute(delete(CustomLossRow).where(CustomLossRow.session_id.in_(ended)))
     return int(result.rowcount or 0)  # type: ignore[attr-defined]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import datetime
 
-from sqlalchemy import func, or_, select
+from sqlalchemy import ColumnElement, func, or_, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from server.db.models import (
@@ -118,13 +118,17 @@ async def sampler_checkpoints_of(s: AsyncSession, tenant_id: str) -> Sequence[Ch
     return (await s.execute(q)).scalars().all()
 
 
+def session_ended(stale_before: datetime) -> ColumnElement[bool]:
+    """SQL condition on SessionRow: the session finished, or sent no heartbeat since `stale_before`."""
+    return or_(SessionRow.finished_at.is_not(None), SessionRow.last_heartbeat_at < stale_before)
+
+
 async def models_to_release(s: AsyncSession, stale_before: datetime, limit: int) -> Sequence[ModelRow]:
-    """Unreleased models whose client session finished or sent no heartbeat since `stale_before`."""
+    """Unreleased models whose client session has ended."""
     q = (
         select(ModelRow)
         .join(SessionRow, SessionRow.id == ModelRow.session_id)
-        .where(ModelRow.released_at.is_(None),
-               or_(SessionRow.finished_at.is_not(None), SessionRow.last_heartbeat_at < stale_before))
+        .where(ModelRow.released_at.is_(None), session_ended(stale_before))
         .order_by(ModelRow.created_at)
         .limit(limit)
     )
