@@ -35,11 +35,17 @@ from jobqueue.base import (
 )
 from jobqueue.keys import GROUP, Keys
 from jobqueue.redis_consumer import StreamConsumer
-from jobqueue.redis_waiters import PushWaiters
+from jobqueue.redis_waiters import PushWaiters, Waiter
 
 log = logging.getLogger(__name__)
 
 _STATES = {b"queued": JobState.QUEUED, b"running": JobState.RUNNING, b"done": JobState.DONE}
+
+
+def _result(job_id: str, media: bytes, body: bytes, cat: bytes, msg: bytes) -> JobResult:
+    if cat:
+        return JobResult(job_id=job_id, error=JobError(category=ErrorCategory(cat.decode()), message=msg.decode()))
+    return JobResult(job_id=job_id, media_type=media.decode(), body=body)  # type: ignore[arg-type]
 
 
 class RedisQueue(JobQueue):
@@ -53,6 +59,7 @@ class RedisQueue(JobQueue):
         lease_ttl: float = 10.0,
         reclaim_idle: float = 30.0,
         batch: int = 256,
+        inline_result_max: int = 65536,
     ) -> None:
         # A Redis restart drops every pooled connection: retry on a fresh one instead of failing the caller.
         # Repeating a write is harmless: submits carry dedup keys, a result is stored once, an ack is idempotent.
@@ -65,6 +72,8 @@ class RedisQueue(JobQueue):
         self.result_ttl = max(1, int(result_ttl))
         self.job_ttl = max(self.result_ttl, int(job_ttl))
         self.lease_ttl, self.reclaim_idle, self.batch = lease_ttl, reclaim_idle, batch
+        self.inline_result_max = inline_result_max  # results up to this size ride along with their wake-up push
+        self._background: set[asyncio.Task[JobResult | None]] = set()
         self._waiters = PushWaiters(self.client, self.keys.done_channel)
         self._consumers: dict[str, StreamConsumer] = {}
         self._inflight: dict[str, tuple[str, str, str]] = {}  # job_id -> (stream entry, queue name, feed)
@@ -94,16 +103,29 @@ class RedisQueue(JobQueue):
         return JobInfo(tenant_id=tenant.decode(), result_type=rtype.decode(), state=_STATES[state])
 
     async def wait_result(self, job_id: str, timeout: float) -> JobResult | None:
-        return await self._wait(f"j:{job_id}", timeout, lambda: self._deliver(job_id))
+        return await self._wait(f"j:{job_id}", timeout, lambda ev: self._take(job_id, ev))
 
-    async def _deliver(self, job_id: str) -> JobResult | None:
-        r = await self._s["DELIVER"](keys=[self.keys.result(job_id), self.keys.job(job_id)], args=[self.result_ttl])
-        if not r:
+    async def _take(self, job_id: str, ev: Waiter) -> JobResult | None:
+        if ev.payload is None:
+            return await self._deliver(job_id)
+        # The push carried the result: answer now; recording the delivery (its TTL) follows off the waiter's path
+        task = asyncio.create_task(self._deliver(job_id, record_only=True))
+        self._background.add(task)
+        task.add_done_callback(self._background_done)
+        media, cat, n, rest = ev.payload.split(b"|", 3)
+        return _result(job_id, media, rest[int(n):], cat, rest[:int(n)])
+
+    async def _deliver(self, job_id: str, record_only: bool = False) -> JobResult | None:
+        keys = [self.keys.result(job_id), self.keys.job(job_id)]
+        r = await self._s["DELIVER"](keys=keys, args=[self.result_ttl, "1" if record_only else "0"])
+        if not r or record_only:
             return None
-        media, body, cat, msg = r[0].decode(), r[1] or b"", r[2] or b"", r[3] or b""
-        if cat:
-            return JobResult(job_id=job_id, error=JobError(category=ErrorCategory(cat.decode()), message=msg.decode()))
-        return JobResult(job_id=job_id, media_type=media, body=body)  # type: ignore[arg-type]
+        return _result(job_id, r[0], r[1] or b"", r[2] or b"", r[3] or b"")
+
+    def _background_done(self, task: asyncio.Task[JobResult | None]) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("recording a delivery failed (the result keeps its completion TTL)", exc_info=task.exception())
 
     async def wait_feed(self, feed: str, after: int, timeout: float, retrieved: Sequence[str] = ()) -> FeedPage:
         zkey = self.keys.feed(feed)
@@ -125,11 +147,12 @@ class RedisQueue(JobQueue):
                 out.append(Completion(request_id, kind != "f", int(size) if size else None))
             return FeedPage(out, int(rows[-1][1]))
 
-        page = await self._wait(f"f:{feed}", timeout, events)
+        page = await self._wait(f"f:{feed}", timeout, lambda _: events())
         return page if page is not None else FeedPage([], after)
 
     async def _wait(self, name: str, timeout: float, check):  # type: ignore[no-untyped-def]
-        """Check, then sleep until a push for `name` (or the timeout), check again: never a sleep-poll."""
+        """Check, then sleep until a push for `name` (or the timeout), check again: never a sleep-poll.
+        `check` gets the waiter, which holds the result when the push carried it."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         ev = self._waiters.register(name)
@@ -137,7 +160,7 @@ class RedisQueue(JobQueue):
             await self._waiters.ready(max(0.0, min(timeout, 5.0)))
             while True:
                 ev.clear()
-                found = await check()
+                found = await check(ev)
                 left = deadline - loop.time()
                 if found is not None or left <= 0:
                     return found
@@ -145,7 +168,7 @@ class RedisQueue(JobQueue):
                     async with asyncio.timeout(left):  # unlike wait_for, no task per wait
                         await ev.wait()
                 except TimeoutError:
-                    return await check()
+                    return await check(ev)
         finally:
             self._waiters.unregister(name, ev)
 
@@ -226,7 +249,7 @@ class RedisQueue(JobQueue):
         args = [token, result.job_id, entry, result.media_type, result.body, err.category.value if err else "",
                 err.message if err else "", self.result_ttl, job.seq_id if job else "",
                 job.model_dump_json() if (job and replay) else "", k.done_channel, feed, self.job_ttl, GROUP,
-                "1" if only_if_queued else "0"]
+                "1" if only_if_queued else "0", self.inline_result_max]
         return int(await self._s["COMPLETE"](keys=keys, args=args))
 
     async def recovery_state(self, model_id: str) -> RecoveryState | None:
@@ -276,6 +299,7 @@ class RedisQueue(JobQueue):
             await c.release()
 
     async def close(self) -> None:
+        await asyncio.gather(*self._background, return_exceptions=True)
         await self._waiters.close()
         await self.release()
         await self.client.aclose()

@@ -2,9 +2,9 @@
 
 submit   SET NX the dedup key (or compare fingerprints), write the job hash, XADD the job.
 start    mark a batch of fetched jobs running; tell the worker whether it was cancelled meanwhile and which feed it has.
-complete store the result bytes, wake waiters (PUBLISH), record the seq/replay log, XACK + XDEL the entry,
-         all fenced by the worker's lease token: a worker that lost its lease changes nothing.
-deliver  read a result and, on its first delivery, extend its life by the result TTL.
+complete store the result bytes, wake waiters (PUBLISH; a small result rides along), record the seq/replay log,
+         XACK + XDEL the entry, all fenced by the worker's lease token: a worker that lost its lease changes nothing.
+deliver  read a result (or not) and, on its first delivery, extend its life by the result TTL.
 snapshot record a newer durable snapshot of a model and drop the replay log it covers.
 forget   drop a released model's durable state (replay log, last seq_id, snapshot record).
 renew / release  keep or give up a lease only while holding it.
@@ -47,7 +47,8 @@ COMPLETE = """
 -- KEYS: result, job, stream, oplog, lastseq, lease, feed, feedseq
 -- ARGV: 1 lease token ('' = unfenced), 2 job_id, 3 stream entry ('' = none), 4 media, 5 body, 6 error category
 --       ('' = ok), 7 error message, 8 result ttl, 9 seq ('' = not run in seq order), 10 replay job json ('' = none),
---       11 channel, 12 feed name ('' = none), 13 feed ttl, 14 group, 15 only_if_queued ('1' = cancel)
+--       11 channel, 12 feed name ('' = none), 13 feed ttl, 14 group, 15 only_if_queued ('1' = cancel),
+--       16 largest body published with the wake-up (-1 = none)
 if ARGV[1] ~= '' and redis.call('GET', KEYS[6]) ~= ARGV[1] then return -1 end
 if ARGV[15] == '1' and redis.call('HGET', KEYS[2], 'state') ~= 'queued' then return -2 end
 local first = redis.call('EXISTS', KEYS[1]) == 0
@@ -67,7 +68,12 @@ if first then
     redis.call('EXPIRE', KEYS[8], ARGV[13])
     redis.call('PUBLISH', ARGV[11], 'f:' .. ARGV[12])
   end
-  redis.call('PUBLISH', ARGV[11], 'j:' .. ARGV[2])
+  if string.len(ARGV[5]) <= tonumber(ARGV[16]) then  -- small: the push carries the result (no read-back)
+    redis.call('PUBLISH', ARGV[11], 'r:' .. ARGV[2] .. '|' .. ARGV[4] .. '|' .. ARGV[6] .. '|' ..
+               string.len(ARGV[7]) .. '|' .. ARGV[7] .. ARGV[5])
+  else
+    redis.call('PUBLISH', ARGV[11], 'j:' .. ARGV[2])
+  end
 end
 if ARGV[9] ~= '' then
   local last = tonumber(redis.call('GET', KEYS[5]) or '-1')
@@ -83,15 +89,16 @@ return 0
 """
 
 DELIVER = """
--- KEYS: result, job.  ARGV: result ttl
-local r = redis.call('HMGET', KEYS[1], 'media', 'body', 'cat', 'msg', 'delivered')
+-- KEYS: result, job.  ARGV: result ttl, '1' = only record the delivery (the caller has the result from its push)
+local r = redis.call('HMGET', KEYS[1], 'media', 'delivered')
 if not r[1] then return false end
-if not r[5] then
+if not r[2] then
   redis.call('HSET', KEYS[1], 'delivered', '1')
   redis.call('EXPIRE', KEYS[1], ARGV[1])
   if redis.call('EXISTS', KEYS[2]) == 1 then redis.call('EXPIRE', KEYS[2], ARGV[1]) end
 end
-return r
+if ARGV[2] == '1' then return 1 end
+return redis.call('HMGET', KEYS[1], 'media', 'body', 'cat', 'msg')
 """
 
 SNAPSHOT = """

@@ -3,6 +3,9 @@
 A waiter registers its event *before* it checks Redis for what it waits on, and the subscription is confirmed
 before the first check, so a PUBLISH that follows the write it announces can never be missed. If the
 subscription drops, every waiter is woken to check again once it is back.
+
+Messages are names ("j:<job id>", "f:<feed>", "s:served"), or "r:<job id>|<small result>": a completion that
+carries its result (see redis_scripts.COMPLETE), handed to the job's waiters so they need not read it back.
 """
 
 from __future__ import annotations
@@ -18,20 +21,26 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 log = logging.getLogger(__name__)
 
 
+class Waiter(asyncio.Event):
+    """Set by a push for its name; `payload` holds the result bytes when the push carried them."""
+
+    payload: bytes | None = None
+
+
 class PushWaiters:
     def __init__(self, client: aioredis.Redis, channel: str) -> None:
         self._client = client
         self._channel = channel
-        self._events: dict[str, set[asyncio.Event]] = defaultdict(set)
+        self._events: dict[str, set[Waiter]] = defaultdict(set)
         self._ready = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
-    def register(self, name: str) -> asyncio.Event:
-        ev = asyncio.Event()
+    def register(self, name: str) -> Waiter:
+        ev = Waiter()
         self._events[name].add(ev)
         return ev
 
-    def unregister(self, name: str, ev: asyncio.Event) -> None:
+    def unregister(self, name: str, ev: Waiter) -> None:
         events = self._events.get(name)
         if events is not None:
             events.discard(ev)
@@ -66,7 +75,10 @@ class PushWaiters:
                 while True:
                     msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=30.0)
                     if msg is not None and msg["type"] == "message":
-                        self._wake(msg["data"].decode())
+                        try:
+                            self._on_message(msg["data"])
+                        except ValueError:  # not ours (UnicodeDecodeError included): the subscription goes on
+                            log.warning("ignoring a malformed push %r", msg["data"][:80])
             except (RedisConnectionError, RedisTimeoutError, OSError) as e:
                 self._ready.clear()
                 log.warning("redis push subscription lost (%s); reconnecting", e)
@@ -79,8 +91,17 @@ class PushWaiters:
                 except Exception:  # noqa: BLE001 - the connection may already be gone
                     pass
 
-    def _wake(self, name: str) -> None:
+    def _on_message(self, data: bytes) -> None:
+        if data.startswith(b"r:"):
+            job_id, _, payload = data[2:].partition(b"|")
+            self._wake("j:" + job_id.decode(), payload)
+        else:
+            self._wake(data.decode())
+
+    def _wake(self, name: str, payload: bytes | None = None) -> None:
         for ev in self._events.get(name, ()):
+            if payload is not None:
+                ev.payload = payload
             ev.set()
 
     def _wake_all(self) -> None:

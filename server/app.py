@@ -9,13 +9,14 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from api_schemas.hub import HubPusher
 from api_schemas.models import ServedModel
 from jobqueue.base import JobQueue
 from jobqueue.storage import CheckpointStorage
 from server.api import health, openai
+from server.api.hot_routes import HotRoutes
 from server.api.tinker import bootstrap, futures, models, sampling, sessions, training
 from server.api.native import hub as native_hub
 from server.api.tinker import checkpoints, custom_losses, downloads, runs
@@ -81,10 +82,12 @@ def create_app(
     app.include_router(native_hub.router, prefix="/native/v1", tags=["native"])
     app.include_router(health.router)  # /healthz, /readyz (load balancers, docker-compose, Kubernetes)
 
+    app.add_middleware(HotRoutes, state=app.state)  # the per-step routes, answered before FastAPI's routing
+
     @app.exception_handler(DomainError)
-    async def _domain_error(_: Request, e: DomainError) -> JSONResponse:
-        return JSONResponse({"detail": e.message, "category": e.category}, status_code=e.status,
-                            headers=getattr(e, "headers", None))  # e.g. Retry-After on a 429
+    async def _domain_error(_: Request, e: DomainError) -> Response:
+        status, body, headers = e.as_json()
+        return Response(body, status_code=status, headers=headers, media_type="application/json")
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:

@@ -1,6 +1,9 @@
-"""Typed domain errors; one handler in app.py turns them into JSON responses with a status and a body."""
+"""Typed domain errors; each renders its own JSON answer (status, body, headers) for app.py's handler and the
+per-step routes (server/api/hot_routes.py)."""
 
 from __future__ import annotations
+
+import json
 
 
 class DomainError(Exception):
@@ -10,6 +13,11 @@ class DomainError(Exception):
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
+
+    def as_json(self) -> tuple[int, bytes, dict[str, str] | None]:
+        body = json.dumps({"detail": self.message, "category": self.category}, ensure_ascii=False,
+                          separators=(",", ":")).encode()
+        return self.status, body, getattr(self, "headers", None)  # e.g. Retry-After on a 429
 
 
 class BadRequest(DomainError):

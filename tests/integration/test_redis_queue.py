@@ -91,6 +91,42 @@ def test_waiter_is_woken_by_push_not_timeout(redis_url: str, prefix: str) -> Non
     run(go())
 
 
+def test_small_results_ride_on_the_push_and_large_ones_are_read_back(redis_url: str, prefix: str) -> None:
+    async def go() -> None:
+        gateway, worker = make(redis_url, prefix), make(redis_url, prefix, inline_result_max=64)
+        reads: list[bool] = []  # record_only flag of every DELIVER the gateway runs
+        deliver = gateway._deliver
+
+        async def counted(job_id: str, record_only: bool = False) -> JobResult | None:
+            reads.append(record_only)
+            return await deliver(job_id, record_only)
+
+        gateway._deliver = counted  # type: ignore[method-assign]
+        binary = b"|1|a|" + bytes(range(40))  # separators and non-UTF-8 bytes inside a small body
+        cases = [
+            (ok(job(seq=1), binary), [False, True]),  # read before the push finds nothing; then only recorded
+            (JobResult(job_id="", error=JobError(category=ErrorCategory.USER, message="bad | input\n")), [False, True]),
+            (ok(job(seq=3), b"y" * 65), [False, False]),  # over the limit: read back once woken
+        ]
+        for i, (result, expected) in enumerate(cases):
+            j = job(seq=i + 1)
+            await gateway.submit(j)
+            reads.clear()
+            waiter = asyncio.create_task(gateway.wait_result(j.job_id, timeout=20))
+            await asyncio.sleep(0.2)
+            (fetched,) = await worker.fetch(Q, timeout=2)
+            await worker.complete(result.model_copy(update={"job_id": fetched.job_id}), job=fetched)
+            got = await asyncio.wait_for(waiter, 5)
+            assert got == result.model_copy(update={"job_id": j.job_id})
+            await asyncio.sleep(0.2)  # the delivery is recorded in the background
+            assert reads == expected
+            assert await gateway.client.hget(gateway.keys.result(j.job_id), "delivered") == b"1"
+        await gateway.close()
+        await worker.close()
+
+    run(go())
+
+
 def test_dedup_same_payload_returns_first_id_and_different_payload_is_rejected(redis_url: str, prefix: str) -> None:
     async def go() -> None:
         q = make(redis_url, prefix)
