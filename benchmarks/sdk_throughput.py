@@ -1,16 +1,17 @@
 """End-to-end training throughput through the stock tinker SDK: aggregate tokens/s of 1, 4 and 16 concurrent
 training clients on ONE `twinkle-server serve` (embedded mode), the server started once for all phases.
 
-Each client (its own ServiceClient, session and LoRA, on its own thread) runs `--steps` SFT steps:
+Each client (its own ServiceClient, session and LoRA, on its own thread) runs SFT steps for `--seconds`:
 forward_backward on its batch + optim_step, submitted back to back as the cookbook does, then waits for both.
-Clients wait at a barrier after a warm-up step, so only the timed steps count. CPU seconds of the server process
+Clients wait at a barrier after a warm-up step; every phase then runs equally long (the steps finished by the time
+the last client stops count), so one client's phase is as long as sixteen's. CPU seconds of the server process
 and of the clients' process per client step are reported too (both share the machine's cores). With `--rounds` > 1 the phases
 run again in reverse order, alternately (1,4,16,16,4,1,...), and each phase reports its median, so a change of
 load on a shared machine hits every phase alike. Prints one JSON line with the tokens/s of each phase and each
 phase's ratio to the first one.
 
-Usage: python benchmarks/sdk_throughput.py [--model tiny|smollm2] [--clients 1,4,16] [--steps 8] [--batch 1x64]
-       [--rounds 2]
+Usage: python benchmarks/sdk_throughput.py [--model tiny|smollm2] [--clients 1,4,16] [--seconds 4] [--batch 1x64]
+       [--rounds 3]
 """
 
 from __future__ import annotations
@@ -44,13 +45,15 @@ def cpu_seconds(pid: int | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def run_phase(base_url: str, key: str, base_model: str, clients: int, steps: int, rows: int, tokens: int,
+def run_phase(base_url: str, key: str, base_model: str, clients: int, seconds: float, rows: int, tokens: int,
               vocab: int, rank: int, server_pid: int | None = None) -> dict:
     import tinker
     from tinker import types
 
     ready = threading.Barrier(clients + 1)
     done = threading.Barrier(clients + 1)
+    stop = threading.Event()
+    steps_done = [0] * clients
     errors: list[BaseException] = []
 
     def client(i: int) -> None:
@@ -70,8 +73,9 @@ def run_phase(base_url: str, key: str, base_model: str, clients: int, steps: int
 
                 step()  # warm-up
                 ready.wait()
-                for _ in range(steps):
+                while not stop.is_set():
                     step()
+                    steps_done[i] += 1
                 done.wait()
         except BaseException as e:  # noqa: BLE001 - reported by the main thread
             errors.append(e)
@@ -84,6 +88,8 @@ def run_phase(base_url: str, key: str, base_model: str, clients: int, steps: int
     ready.wait()
     start = time.perf_counter()
     cpu0 = (cpu_seconds(), cpu_seconds(server_pid) if server_pid else 0.0)
+    time.sleep(seconds)
+    stop.set()
     done.wait()
     wall = time.perf_counter() - start
     cpu1 = (cpu_seconds(), cpu_seconds(server_pid) if server_pid else 0.0)
@@ -91,20 +97,20 @@ def run_phase(base_url: str, key: str, base_model: str, clients: int, steps: int
         t.join()
     if errors:
         raise errors[0]
-    total = clients * steps * rows * tokens
-    return {"clients": clients, "wall_s": round(wall, 3), "tokens_per_s": round(total / wall, 1),
-            "client_cpu_ms_per_step": round(1000 * (cpu1[0] - cpu0[0]) / (clients * steps), 1),
-            "server_cpu_ms_per_step": round(1000 * (cpu1[1] - cpu0[1]) / (clients * steps), 1)}
+    steps = sum(steps_done)
+    return {"clients": clients, "wall_s": round(wall, 3), "tokens_per_s": round(steps * rows * tokens / wall, 1),
+            "client_cpu_ms_per_step": round(1000 * (cpu1[0] - cpu0[0]) / steps, 1),
+            "server_cpu_ms_per_step": round(1000 * (cpu1[1] - cpu0[1]) / steps, 1)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
     ap.add_argument("--clients", default="1,4,16")
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--seconds", type=float, default=4.0, help="length of each timed phase")
     ap.add_argument("--batch", default="1x64", help="ROWSxTOKENS per client and step")
     ap.add_argument("--rank", type=int, default=8)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--server-threads", type=int, default=0,
                     help="torch threads of the server process (OMP_NUM_THREADS; 0: torch's default)")
     args = ap.parse_args()
@@ -123,7 +129,7 @@ def main() -> None:
         try:
             for r in range(args.rounds):
                 for n in counts if r % 2 == 0 else counts[::-1]:
-                    runs[n].append(run_phase(srv.base_url, key, str(folder), n, args.steps, rows, tokens, vocab,
+                    runs[n].append(run_phase(srv.base_url, key, str(folder), n, args.seconds, rows, tokens, vocab,
                                              args.rank, srv.proc.pid if srv.proc else None))
         finally:
             srv.stop()
@@ -137,7 +143,7 @@ def main() -> None:
     for p in phases:
         p["vs_first"] = round(p["tokens_per_s"] / one, 3)
     print(json.dumps({"benchmark": "sdk_throughput", "model": args.model, "batch_per_client": args.batch,
-                      "steps": args.steps, "rank": args.rank, "rounds": args.rounds, "server_threads": args.server_threads or "default", "phases": phases}))
+                      "seconds": args.seconds, "rank": args.rank, "rounds": args.rounds, "server_threads": args.server_threads or "default", "phases": phases}))
 
 
 if __name__ == "__main__":

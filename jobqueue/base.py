@@ -79,7 +79,8 @@ class JobQueue(abc.ABC):
 
     @abc.abstractmethod
     async def info(self, job_id: str) -> JobInfo | None:
-        """Owner, result type and state of a job; None if unknown or expired."""
+        """Owner, result type and state of a job; None if unknown or expired. (The Redis queue says QUEUED until
+        DONE: a worker's read is what starts a job there, and is not recorded apart.)"""
 
     @abc.abstractmethod
     async def wait_result(self, job_id: str, timeout: float) -> JobResult | None:

@@ -16,12 +16,13 @@ class Keys:
     prefix: str = "twinkle"
 
     def stream(self, queue_name: str) -> str:
-        """Stream of queued jobs of one queue, i.e. one (base model, lane) (fields: id, job). Entries are deleted
-        once acknowledged."""
+        """Stream of queued jobs of one queue, i.e. one (base model, lane) (fields: id, job, feed). Entries are
+        deleted once acknowledged."""
         return f"{self.prefix}:stream:{queue_name}"
 
     def job(self, job_id: str) -> str:
-        """Hash: tenant, rtype, state, model, seq, base, feed, entry. Job TTL while queued, result TTL once done."""
+        """Hash: tenant, rtype, state (queued/done), model, seq, base, feed, entry, queue. Job TTL while queued,
+        result TTL once done."""
         return f"{self.prefix}:job:{job_id}"
 
     def result(self, job_id: str) -> str:

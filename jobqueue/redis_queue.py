@@ -2,8 +2,8 @@
 
 Gateway: `submit` is one atomic script (dedup key SET NX with a payload fingerprint, job hash, XADD); waiters
 are woken by pub/sub pushes (see redis_waiters). Worker: `fetch` reads (or reclaims) entries under the queue's
-lease; `complete` stores the result bytes, records the replay log and acknowledges, all in one script,
-so a job's effect is acknowledged exactly when its result is stored. Results live `result_ttl` seconds after
+lease (a read starts a job: `cancel` succeeds only before it); `complete` stores the result bytes, records the
+replay log and acknowledges, all in one script, so a job's effect is acknowledged exactly when its result is stored. Results live `result_ttl` seconds after
 completion and again after their first delivery. Key names: jobqueue/keys.py; scripts: jobqueue/redis_scripts.py.
 """
 
@@ -39,7 +39,7 @@ from jobqueue.redis_waiters import PushWaiters, Waiter
 
 log = logging.getLogger(__name__)
 
-_STATES = {b"queued": JobState.QUEUED, b"running": JobState.RUNNING, b"done": JobState.DONE}
+_STATES = {b"queued": JobState.QUEUED, b"running": JobState.RUNNING, b"done": JobState.DONE}  # running: older hashes
 
 
 def _result(job_id: str, media: bytes, body: bytes, cat: bytes, msg: bytes) -> JobResult:
@@ -78,7 +78,8 @@ class RedisQueue(JobQueue):
         self._consumers: dict[str, StreamConsumer] = {}
         self._inflight: dict[str, tuple[str, str, str]] = {}  # job_id -> (stream entry, queue name, feed)
         self._queue_of: dict[str, str] = {}  # model_id -> queue name, for the models this worker ran
-        self._s = {name: self.client.register_script(src) for name, src in vars(lua).items() if name.isupper()}
+        self._s = {name: self.client.register_script(src) for name, src in vars(lua).items()
+                   if name.isupper() and not name.startswith("_")}
 
     # --- gateway side ---
     async def submit(self, job: Job, dedup_key: str | None = None, feed: str | None = None) -> str:
@@ -86,7 +87,7 @@ class RedisQueue(JobQueue):
         keys = [k.dedup(dedup_key) if dedup_key else k.job(job.job_id), k.job(job.job_id), k.stream(job.queue_name)]
         args = [job.job_id, job.fingerprint(), "1" if dedup_key else "0", self.job_ttl, self.job_ttl,
                 job.model_dump_json(), job.tenant_id, job.result_type, job.model_id, job.seq_id, job.base_model,
-                feed or ""]
+                feed or "", job.queue_name]
         code, job_id = await self._s["SUBMIT"](keys=keys, args=args)
         if int(code) == 0:
             raise DuplicateJobMismatch(f"{dedup_key} was already submitted with a different payload")
@@ -173,9 +174,22 @@ class RedisQueue(JobQueue):
             self._waiters.unregister(name, ev)
 
     async def cancel(self, job_id: str) -> bool:
-        feed = await self.client.hget(self.keys.job(job_id), "feed")
-        code = await self._store(cancelled_result(job_id), feed=(feed or b"").decode(), only_if_queued=True)
-        return code == 1
+        """Cancel a job no worker has read yet; it still reaches one, as a Skip, so its seq_id is not missing."""
+        entry, queue, feed = await self.client.hmget(self.keys.job(job_id), "entry", "queue", "feed")
+        if entry is None or queue is None:  # unknown, expired, or done
+            return False
+        k, stream = self.keys, self.keys.stream(queue.decode())
+        rows = await self.client.xrange(stream, entry, entry)
+        if not rows:  # done and acknowledged
+            return False
+        skip = as_skip(Job.model_validate_json(rows[0][1][b"job"]))
+        res, err, feed_name = cancelled_result(job_id), cancelled_result(job_id).error, (feed or b"").decode()
+        assert err is not None
+        code = await self._s["CANCEL"](
+            keys=[k.result(job_id), k.job(job_id), stream, k.feed(feed_name), k.feed_seq(feed_name)],
+            args=[job_id, entry, skip.model_dump_json(), res.media_type, err.category.value, err.message,
+                  self.result_ttl, k.done_channel, feed_name, self.job_ttl, GROUP, self.inline_result_max])
+        return int(code) == 1
 
     # --- registry of served base models (workers write, gateways read) ---
     async def register_served(self, model: ServedModel) -> None:
@@ -216,11 +230,10 @@ class RedisQueue(JobQueue):
         entries = await c.read(timeout)
         if not entries:
             return []
-        ids = [f[b"id"].decode() for _, f in entries]
-        starts = await self._s["START"](keys=[self.keys.job(i) for i in ids])
         out = []
-        for (entry, fields), job_id, (state, feed) in zip(entries, ids, starts):
-            self._inflight[job_id] = (entry, queue_name, (feed or b"").decode())
+        for entry, fields in entries:  # read = started: a cancel now finds the entry pending and refuses
+            job_id = fields[b"id"].decode()
+            self._inflight[job_id] = (entry, queue_name, fields.get(b"feed", b"").decode())
             try:
                 job = Job.model_validate_json(fields[b"job"])
             except ValueError:  # a job this worker's code cannot read (version skew): fail it, do not block the line
@@ -229,7 +242,7 @@ class RedisQueue(JobQueue):
                     category=ErrorCategory.SERVER, message="the worker could not decode this job (version mismatch)")))
                 continue
             self._queue_of[job.model_id] = queue_name
-            out.append(as_skip(job) if state == b"done" else job)  # done before it ran: cancelled
+            out.append(job)  # a job cancelled before it was read arrives here as its Skip
         return out
 
     async def complete(self, result: JobResult, job: Job | None = None, replay: bool = False) -> None:
@@ -238,8 +251,8 @@ class RedisQueue(JobQueue):
         if code == -1:
             raise LeaseLost(f"lease of {queue_name} was lost before job {result.job_id} was acknowledged")
 
-    async def _store(self, result: JobResult, *, entry: str = "", queue_name: str = "", feed: str = "",  # noqa: PLR0913
-                     job: Job | None = None, replay: bool = False, only_if_queued: bool = False) -> int:
+    async def _store(self, result: JobResult, *, entry: str = "", queue_name: str = "", feed: str = "",
+                     job: Job | None = None, replay: bool = False) -> int:
         k = self.keys
         model_id = job.model_id if job else ""
         token = self.consumer(queue_name).token if entry else ""
@@ -249,7 +262,7 @@ class RedisQueue(JobQueue):
         args = [token, result.job_id, entry, result.media_type, result.body, err.category.value if err else "",
                 err.message if err else "", self.result_ttl, job.seq_id if job else "",
                 job.model_dump_json() if (job and replay) else "", k.done_channel, feed, self.job_ttl, GROUP,
-                "1" if only_if_queued else "0", self.inline_result_max]
+                self.inline_result_max]
         return int(await self._s["COMPLETE"](keys=keys, args=args))
 
     async def recovery_state(self, model_id: str) -> RecoveryState | None:

@@ -1,9 +1,10 @@
 """The Lua scripts of the Redis queue: each one is a step that must happen atomically.
 
-submit   SET NX the dedup key (or compare fingerprints), write the job hash, XADD the job.
-start    mark a batch of fetched jobs running; tell the worker whether it was cancelled meanwhile and which feed it has.
+submit   SET NX the dedup key (or compare fingerprints), write the job hash, XADD the job (with its feed).
 complete store the result bytes, wake waiters (PUBLISH; a small result rides along), record the seq/replay log,
          XACK + XDEL the entry, all fenced by the worker's lease token: a worker that lost its lease changes nothing.
+cancel   only while no worker has read the job: swap its stream entry for a Skip (the seq_id stays held) and store
+         the cancelled result. A job read by a worker is running; reading is what starts it, so no extra step.
 deliver  read a result (or not) and, on its first delivery, extend its life by the result TTL.
 snapshot record a newer durable snapshot of a model and drop the replay log it covers.
 forget   drop a released model's durable state (replay log, last seq_id, snapshot record).
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 SUBMIT = """
 -- KEYS: dedup, job, stream
--- ARGV: job_id, fingerprint, use_dedup, dedup_ttl, job_ttl, job_json, tenant, rtype, model, seq, base, feed
+-- ARGV: job_id, fingerprint, use_dedup, dedup_ttl, job_ttl, job_json, tenant, rtype, model, seq, base, feed, queue
 if ARGV[3] == '1' then
   local ok = redis.call('SET', KEYS[1], ARGV[1] .. '|' .. ARGV[2], 'NX', 'EX', ARGV[4])
   if not ok then
@@ -25,56 +26,51 @@ if ARGV[3] == '1' then
     return {1, id}
   end
 end
-local entry = redis.call('XADD', KEYS[3], '*', 'id', ARGV[1], 'job', ARGV[6])
+local entry = redis.call('XADD', KEYS[3], '*', 'id', ARGV[1], 'job', ARGV[6], 'feed', ARGV[12])
 redis.call('HSET', KEYS[2], 'tenant', ARGV[7], 'rtype', ARGV[8], 'state', 'queued', 'model', ARGV[9],
-           'seq', ARGV[10], 'base', ARGV[11], 'feed', ARGV[12], 'entry', entry)
+           'seq', ARGV[10], 'base', ARGV[11], 'feed', ARGV[12], 'entry', entry, 'queue', ARGV[13])
 redis.call('EXPIRE', KEYS[2], ARGV[5])
 return {2, ARGV[1]}
 """
 
-START = """
--- KEYS: the job hashes of a batch just read.  Returns {state before, feed} per job (state false: expired job).
-local out = {}
-for i, key in ipairs(KEYS) do
-  local r = redis.call('HMGET', key, 'state', 'feed')
-  if r[1] == 'queued' then redis.call('HSET', key, 'state', 'running') end
-  out[i] = r
+_STORE = """
+-- Store a job's first result, mark the job done, add its feed event, wake its waiters; false if it had one already.
+local function store(result, job, feed, feedseq, job_id, media, body, cat, msg, ttl, channel, feed_name, feed_ttl,
+                     inline_max)
+  if redis.call('EXISTS', result) == 1 then return false end
+  redis.call('HSET', result, 'media', media, 'body', body, 'cat', cat, 'msg', msg)
+  redis.call('EXPIRE', result, ttl)
+  if redis.call('EXISTS', job) == 1 then
+    redis.call('HSET', job, 'state', 'done')
+    redis.call('EXPIRE', job, ttl)
+  end
+  if feed_name ~= '' then
+    local cursor = redis.call('INCR', feedseq)
+    local event = 'x||' .. job_id
+    if cat == '' then event = 'f|' .. string.len(body) .. '|' .. job_id end
+    redis.call('ZADD', feed, cursor, event)
+    redis.call('EXPIRE', feed, feed_ttl)
+    redis.call('EXPIRE', feedseq, feed_ttl)
+    redis.call('PUBLISH', channel, 'f:' .. feed_name)
+  end
+  if string.len(body) <= tonumber(inline_max) then  -- small: the push carries the result (no read-back)
+    redis.call('PUBLISH', channel, 'r:' .. job_id .. '|' .. media .. '|' .. cat .. '|' .. string.len(msg) .. '|' ..
+               msg .. body)
+  else
+    redis.call('PUBLISH', channel, 'j:' .. job_id)
+  end
+  return true
 end
-return out
 """
 
-COMPLETE = """
+COMPLETE = _STORE + """
 -- KEYS: result, job, stream, oplog, lastseq, lease, feed, feedseq
 -- ARGV: 1 lease token ('' = unfenced), 2 job_id, 3 stream entry ('' = none), 4 media, 5 body, 6 error category
 --       ('' = ok), 7 error message, 8 result ttl, 9 seq ('' = not run in seq order), 10 replay job json ('' = none),
---       11 channel, 12 feed name ('' = none), 13 feed ttl, 14 group, 15 only_if_queued ('1' = cancel),
---       16 largest body published with the wake-up (-1 = none)
+--       11 channel, 12 feed name ('' = none), 13 feed ttl, 14 group, 15 largest body published with the wake-up
 if ARGV[1] ~= '' and redis.call('GET', KEYS[6]) ~= ARGV[1] then return -1 end
-if ARGV[15] == '1' and redis.call('HGET', KEYS[2], 'state') ~= 'queued' then return -2 end
-local first = redis.call('EXISTS', KEYS[1]) == 0
-if first then
-  redis.call('HSET', KEYS[1], 'media', ARGV[4], 'body', ARGV[5], 'cat', ARGV[6], 'msg', ARGV[7])
-  redis.call('EXPIRE', KEYS[1], ARGV[8])
-  if redis.call('EXISTS', KEYS[2]) == 1 then
-    redis.call('HSET', KEYS[2], 'state', 'done')
-    redis.call('EXPIRE', KEYS[2], ARGV[8])
-  end
-  if ARGV[12] ~= '' then
-    local cursor = redis.call('INCR', KEYS[8])
-    local event = 'x||' .. ARGV[2]
-    if ARGV[6] == '' then event = 'f|' .. string.len(ARGV[5]) .. '|' .. ARGV[2] end
-    redis.call('ZADD', KEYS[7], cursor, event)
-    redis.call('EXPIRE', KEYS[7], ARGV[13])
-    redis.call('EXPIRE', KEYS[8], ARGV[13])
-    redis.call('PUBLISH', ARGV[11], 'f:' .. ARGV[12])
-  end
-  if string.len(ARGV[5]) <= tonumber(ARGV[16]) then  -- small: the push carries the result (no read-back)
-    redis.call('PUBLISH', ARGV[11], 'r:' .. ARGV[2] .. '|' .. ARGV[4] .. '|' .. ARGV[6] .. '|' ..
-               string.len(ARGV[7]) .. '|' .. ARGV[7] .. ARGV[5])
-  else
-    redis.call('PUBLISH', ARGV[11], 'j:' .. ARGV[2])
-  end
-end
+local first = store(KEYS[1], KEYS[2], KEYS[7], KEYS[8], ARGV[2], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8],
+                    ARGV[11], ARGV[12], ARGV[13], ARGV[15])
 if ARGV[9] ~= '' then
   local last = tonumber(redis.call('GET', KEYS[5]) or '-1')
   if tonumber(ARGV[9]) > last then redis.call('SET', KEYS[5], ARGV[9]) end
@@ -86,6 +82,23 @@ if ARGV[3] ~= '' then
 end
 if first then return 1 end
 return 0
+"""
+
+CANCEL = _STORE + """
+-- KEYS: result, job, stream, feed, feedseq
+-- ARGV: 1 job_id, 2 stream entry, 3 the job as a Skip (json), 4 media, 5 error category, 6 error message,
+--       7 result ttl, 8 channel, 9 feed name, 10 feed ttl, 11 group, 12 largest body published with the wake-up.
+-- Returns 1 if cancelled, 0 if too late (a worker read the job, or it is done).
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+if #redis.call('XRANGE', KEYS[3], ARGV[2], ARGV[2]) == 0 then return 0 end  -- done and acknowledged, or gone
+local read, pending = pcall(redis.call, 'XPENDING', KEYS[3], ARGV[11], ARGV[2], ARGV[2], 1)
+if read and #pending > 0 then return 0 end  -- a worker has it: running (no group yet: nobody read it)
+redis.call('XDEL', KEYS[3], ARGV[2])
+local entry = redis.call('XADD', KEYS[3], '*', 'id', ARGV[1], 'job', ARGV[3], 'feed', ARGV[9])
+redis.call('HSET', KEYS[2], 'entry', entry)
+store(KEYS[1], KEYS[2], KEYS[4], KEYS[5], ARGV[1], ARGV[4], '', ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9],
+      ARGV[10], ARGV[12])
+return 1
 """
 
 DELIVER = """
