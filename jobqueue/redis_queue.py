@@ -3,8 +3,8 @@
 Gateway: `submit` is one atomic script (dedup key SET NX with a payload fingerprint, job hash, XADD); waiters
 are woken by pub/sub pushes (see redis_waiters). Worker: `fetch` reads (or reclaims) entries under the queue's
 lease (a read starts a job: `cancel` succeeds only before it); `complete` stores the result bytes, records the
-replay log and acknowledges, all in one script, so a job's effect is acknowledged exactly when its result is stored. Results live `result_ttl` seconds after
-completion and again after their first delivery. Key names: jobqueue/keys.py; scripts: jobqueue/redis_scripts.py.
+replay log and acknowledges, all in one script, so a job's effect is acknowledged exactly when its result is
+stored. Results live `result_ttl` seconds after completion and again after their first delivery. Key names: jobqueue/keys.py; scripts: jobqueue/redis_scripts.py.
 """
 
 from __future__ import annotations
@@ -183,11 +183,12 @@ class RedisQueue(JobQueue):
         if not rows:  # done and acknowledged
             return False
         skip = as_skip(Job.model_validate_json(rows[0][1][b"job"]))
-        res, err, feed_name = cancelled_result(job_id), cancelled_result(job_id).error, (feed or b"").decode()
+        cancelled, feed_name = cancelled_result(job_id), (feed or b"").decode()
+        err = cancelled.error
         assert err is not None
         code = await self._s["CANCEL"](
             keys=[k.result(job_id), k.job(job_id), stream, k.feed(feed_name), k.feed_seq(feed_name)],
-            args=[job_id, entry, skip.model_dump_json(), res.media_type, err.category.value, err.message,
+            args=[job_id, entry, skip.model_dump_json(), cancelled.media_type, err.category.value, err.message,
                   self.result_ttl, k.done_channel, feed_name, self.job_ttl, GROUP, self.inline_result_max])
         return int(code) == 1
 

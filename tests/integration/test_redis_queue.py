@@ -241,6 +241,13 @@ def test_feed_reports_completions_with_cursor_and_push(redis_url: str, prefix: s
         empty = await q.wait_feed("tenant:sess:0", nxt.cursor, timeout=0)
         assert empty.completions == [] and empty.cursor == nxt.cursor
         assert (await q.wait_feed("other:sess:0", 0, timeout=0)).completions == []
+        late = job(seq=3)  # cancelled before any worker read it: a failed completion of the feed, and a Skip
+        await q.submit(late, feed="tenant:sess:0")
+        assert await q.cancel(late.job_id)
+        page = await q.wait_feed("tenant:sess:0", nxt.cursor, timeout=1)
+        assert [(c.request_id, c.failed) for c in page.completions] == [(late.job_id, True)]
+        (skipped,) = await q.fetch(Q, timeout=2)
+        assert isinstance(skipped.payload, Skip) and skipped.job_id == late.job_id
         await q.close()
 
     run(go())
