@@ -3,7 +3,9 @@
 A real gateway (`twinkle-server serve` with TWINKLE_REDIS_URL) and a real Dispatcher on the Redis queue, whose
 executor does no work (or sleeps `--work-ms`) instead of training: what is measured is everything around the
 compute. Each job is an optim_step submitted over HTTP and fetched with retrieve_future (keep-alive connection),
-the way the SDK does it. Also reported: the bare queue round trip (RedisQueue submit -> worker -> wait_result).
+the way the SDK does it, with httpx (the SDK's HTTP client). The 20 ms jobs also run, interleaved, from the
+standard library's http.client, which costs the client ~0.3 ms less per request: the difference between the two
+ratios is the client library's share of the overhead, the rest is the server's. Also reported: the bare queue round trip (RedisQueue submit -> worker -> wait_result).
 Starts its own redis-server on a free loopback port unless --redis-url is given. Prints one JSON line.
 
 Usage: python benchmarks/queue_roundtrip.py [--jobs 1000] [--work-jobs 200] [--work-ms 20]
@@ -13,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import http.client
 import json
 import os
 import socket
@@ -20,7 +24,9 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -68,16 +74,47 @@ async def worker(redis_url: str, prefix: str, work_file: Path) -> None:
     await Dispatcher(q, queue_name(MODEL, "train"), execute).run()
 
 
-def http_roundtrips(base_url: str, api_key: str, n: int, first_seq: int, model_id: str) -> list[float]:
-    out = []
+Post = Callable[[str, dict], dict]
+
+
+@contextlib.contextmanager
+def httpx_client(base_url: str, api_key: str) -> Iterator[Post]:
+    """httpx, the HTTP client the tinker SDK uses."""
     with httpx.Client(base_url=base_url, headers={"X-API-Key": api_key}, timeout=60) as http:
-        for i in range(n):
-            t0 = time.perf_counter()
-            r = http.post("/api/v1/optim_step", json={"model_id": model_id, "seq_id": first_seq + i, "adam_params": ADAM})
-            rid = r.json()["request_id"]
-            res = http.post("/api/v1/retrieve_future", json={"request_id": rid, "allow_metadata_only": False})
-            assert res.status_code == 200 and "metrics" in res.json(), res.text
-            out.append(time.perf_counter() - t0)
+        def post(path: str, body: dict) -> dict:
+            r = http.post(path, json=body)
+            assert r.status_code == 200, r.text
+            return r.json()  # type: ignore[no-any-return]
+        yield post
+
+
+@contextlib.contextmanager
+def stdlib_client(base_url: str, api_key: str) -> Iterator[Post]:
+    """http.client from the standard library: a lean client, to tell the server's overhead from httpx's."""
+    url = urllib.parse.urlsplit(base_url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+    headers = {"X-API-Key": api_key, "Content-Type": "application/json"}
+
+    def post(path: str, body: dict) -> dict:
+        conn.request("POST", path, body=json.dumps(body), headers=headers)
+        r = conn.getresponse()
+        data = r.read()
+        assert r.status == 200, data
+        return json.loads(data)  # type: ignore[no-any-return]
+    try:
+        yield post
+    finally:
+        conn.close()
+
+
+def http_roundtrips(client: Post, n: int, first_seq: int, model_id: str) -> list[float]:
+    out = []
+    for i in range(n):
+        t0 = time.perf_counter()
+        r = client("/api/v1/optim_step", {"model_id": model_id, "seq_id": first_seq + i, "adam_params": ADAM})
+        res = client("/api/v1/retrieve_future", {"request_id": r["request_id"], "allow_metadata_only": False})
+        assert "metrics" in res, res
+        out.append(time.perf_counter() - t0)
     return out
 
 
@@ -153,13 +190,19 @@ def main() -> None:
                                                            "lora_config": {"rank": 1}}).json()
             http.post("/api/v1/retrieve_future", json={"request_id": made["request_id"]})
         model_id = made["model_id"]
-        http_roundtrips(base_url, key, 50, 1, model_id)  # warm-up
-        cpu0 = (cpu_seconds(gateway.pid), cpu_seconds(worker_proc.pid))
-        noop = http_roundtrips(base_url, key, args.jobs, 51, model_id)
-        cpu1 = (cpu_seconds(gateway.pid), cpu_seconds(worker_proc.pid))
-        work_file.write_text(str(args.work_ms))
-        work = http_roundtrips(base_url, key, args.work_jobs, 51 + args.jobs, model_id)
-        work_file.write_text("0")
+        with httpx_client(base_url, key) as client, stdlib_client(base_url, key) as lean:
+            http_roundtrips(client, 50, 1, model_id)  # warm-up
+            cpu0 = (cpu_seconds(gateway.pid), cpu_seconds(worker_proc.pid))
+            noop = http_roundtrips(client, args.jobs, 51, model_id)
+            cpu1 = (cpu_seconds(gateway.pid), cpu_seconds(worker_proc.pid))
+            work_file.write_text(str(args.work_ms))
+            seq = 51 + args.jobs
+            work, work_lean = [], []
+            for _ in range(args.work_jobs // 20):  # the two clients alternate, so a change of load hits both
+                work += http_roundtrips(client, 10, seq, model_id)
+                work_lean += http_roundtrips(lean, 10, seq + 10, model_id)
+                seq += 20
+            work_file.write_text("0")
         bare = asyncio.run(queue_roundtrips(redis_url, prefix, args.jobs))
         ms = 1000.0
         print(json.dumps({
@@ -172,6 +215,8 @@ def main() -> None:
             "work_ms": args.work_ms, "work_p50_ms": round(pct(work, 0.5) * ms, 3),
             "overhead_ratio_p50": round(pct(work, 0.5) * ms / args.work_ms, 3),
             "overhead_ratio_mean": round(sum(work) / len(work) * ms / args.work_ms, 3),
+            "lean_client_work_p50_ms": round(pct(work_lean, 0.5) * ms, 3),
+            "lean_client_overhead_ratio_p50": round(pct(work_lean, 0.5) * ms / args.work_ms, 3),
         }))
     finally:
         for p in reversed(procs):
