@@ -107,14 +107,16 @@ class RedisQueue(JobQueue):
         return await self._wait(f"j:{job_id}", timeout, lambda ev: self._take(job_id, ev))
 
     async def _take(self, job_id: str, ev: Waiter) -> JobResult | None:
-        if ev.payload is None:
+        try:
+            media, cat, n, rest = (ev.payload or b"").split(b"|", 3)
+            result = _result(job_id, media, rest[int(n):], cat, rest[:int(n)])
+        except ValueError:  # no result in the push (or not one we can read): read it from Redis
             return await self._deliver(job_id)
         # The push carried the result: answer now; recording the delivery (its TTL) follows off the waiter's path
         task = asyncio.create_task(self._deliver(job_id, record_only=True))
         self._background.add(task)
         task.add_done_callback(self._background_done)
-        media, cat, n, rest = ev.payload.split(b"|", 3)
-        return _result(job_id, media, rest[int(n):], cat, rest[:int(n)])
+        return result
 
     async def _deliver(self, job_id: str, record_only: bool = False) -> JobResult | None:
         keys = [self.keys.result(job_id), self.keys.job(job_id)]

@@ -104,16 +104,19 @@ def test_small_results_ride_on_the_push_and_large_ones_are_read_back(redis_url: 
         gateway._deliver = counted  # type: ignore[method-assign]
         binary = b"|1|a|" + bytes(range(40))  # separators and non-UTF-8 bytes inside a small body
         cases = [
-            (ok(job(seq=1), binary), [False, True]),  # read before the push finds nothing; then only recorded
-            (JobResult(job_id="", error=JobError(category=ErrorCategory.USER, message="bad | input\n")), [False, True]),
-            (ok(job(seq=3), b"y" * 65), [False, False]),  # over the limit: read back once woken
+            (ok(job(seq=1), binary), [True]),  # the push holds the result: the delivery is only recorded
+            (JobResult(job_id="", error=JobError(category=ErrorCategory.USER, message="bad | input\n")), [True]),
+            (ok(job(seq=3), b"y" * 65), [False]),  # over the limit: read back once woken
         ]
         for i, (result, expected) in enumerate(cases):
             j = job(seq=i + 1)
             await gateway.submit(j)
-            reads.clear()
             waiter = asyncio.create_task(gateway.wait_result(j.job_id, timeout=20))
             await asyncio.sleep(0.2)
+            for junk in (b"r:\xff|x", f"r:{j.job_id}|not a result".encode()):  # ignored or read back, never fatal
+                await gateway.client.publish(gateway.keys.done_channel, junk)
+            await asyncio.sleep(0.1)
+            reads.clear()
             (fetched,) = await worker.fetch(Q, timeout=2)
             await worker.complete(result.model_copy(update={"job_id": fetched.job_id}), job=fetched)
             got = await asyncio.wait_for(waiter, 5)
