@@ -23,6 +23,7 @@ import torch
 
 from api_schemas.jobs import ForwardBackward, Job, JobResult
 from api_schemas.tinker.proto import (
+    DecodedDatum,
     DecodedForwardBackward,
     decode_forward_backward,
     encode_forward_backward_output,
@@ -96,11 +97,11 @@ class MergedPass:
             return
         with self.pool.pinned([job.model_id for job, _ in checked]) as adapters:
             items = [_Item(job, req, adapter) for (job, req), adapter in zip(checked, adapters)]
-            logp = self._forward(items)
+            picked = self._forward(items)
             trained: list[tuple[_Item, LossOutput]] = []
             for it in items:
                 try:
-                    out = self._loss(it, logp)
+                    out = self._loss(it, picked)
                 except Exception as e:  # noqa: BLE001 - the job fails, the step goes on
                     on_result(failure(it.job, e))
                     continue
@@ -108,18 +109,24 @@ class MergedPass:
                     on_result(_result(it.job, out))
                 else:
                     trained.append((it, out))
-            del logp
+            del picked
             if trained:
                 self._backward(trained, on_result)
 
     def _forward(self, items: list[_Item]) -> torch.Tensor:
-        rows = [d.tokens for it in items for d in it.req.data]
-        width = max(len(r) for r in rows)
-        ids = np.zeros((len(rows), width), dtype=np.int64)
-        mask = np.zeros((len(rows), width), dtype=np.int64)
-        for i, r in enumerate(rows):
-            ids[i, : len(r)] = r
-            mask[i, : len(r)] = 1
+        """Log-probs of every datum's target tokens, shape (rows, width, targets per position), taken with ONE
+        gather over the whole pass: backward then builds one vocabulary-wide gradient for the pass, where a slice
+        of the (rows, width, vocab) log-probs per datum would build one per datum (jobs x tokens x vocab)."""
+        datums = [d for it in items for d in it.req.data]
+        width = max(len(d.tokens) for d in datums)
+        per_position = [_targets(d) for d in datums]
+        ids = np.zeros((len(datums), width), dtype=np.int64)
+        mask = np.zeros((len(datums), width), dtype=np.int64)
+        targets = np.zeros((len(datums), width, max(t.shape[1] for t in per_position)), dtype=np.int64)
+        for i, (d, t) in enumerate(zip(datums, per_position)):
+            ids[i, : len(d.tokens)] = d.tokens
+            mask[i, : len(d.tokens)] = 1
+            targets[i, : len(d.tokens), : t.shape[1]] = t  # padding picks token 0, never read
         routes, start = [], 0
         for it in items:
             it.start = start
@@ -129,20 +136,20 @@ class MergedPass:
         device = self.base.device
         grad = any(not it.forward_only for it in items)
         with torch.set_grad_enabled(grad), routed(self.base.layers, routes):
-            return self.base.logprob_logits(torch.from_numpy(ids).to(device), torch.from_numpy(mask).to(device))
+            logp = self.base.logprob_logits(torch.from_numpy(ids).to(device), torch.from_numpy(mask).to(device))
+        return logp.gather(-1, torch.from_numpy(targets).to(device))
 
-    def _loss(self, it: _Item, logp: torch.Tensor) -> LossOutput:
-        device = logp.device
+    def _loss(self, it: _Item, picked: torch.Tensor) -> LossOutput:
+        device = picked.device
         lps, inputs = [], []
         for i, d in enumerate(it.req.data):
             tensors = {k: torch.from_numpy(np.ascontiguousarray(v)).to(device) for k, v in d.inputs.items()}
             targets = tensors["target_tokens"]
             n = len(d.tokens)
-            flat = targets.reshape(n, -1)
-            lp = logp[it.start + i, :n].gather(-1, flat).reshape(targets.shape)
+            lp = picked[it.start + i, :n, : targets.reshape(n, -1).shape[1]].reshape(targets.shape)
             # a forward-only job's loss builds no graph, whoever shares the pass (a custom loss runs its own backward)
             lps.append(lp.detach() if it.forward_only else lp)
-            inputs.append({k: (v.to(logp.dtype) if v.is_floating_point() else v) for k, v in tensors.items()})
+            inputs.append({k: (v.to(picked.dtype) if v.is_floating_point() else v) for k, v in tensors.items()})
         payload = it.job.payload
         assert isinstance(payload, ForwardBackward)
         out = compute_loss(it.req.loss_fn, lps, inputs, it.req.loss_fn_config, payload.custom_loss)
@@ -164,6 +171,11 @@ class MergedPass:
                 continue
             self.pool.accumulate(it.adapter, tuple(mine))
             on_result(_result(it.job, out))
+
+
+def _targets(d: DecodedDatum) -> np.ndarray:
+    """A datum's target token ids, one row per position: (tokens, targets per position)."""
+    return np.asarray(d.inputs["target_tokens"]).reshape(len(d.tokens), -1)
 
 
 def _all_finite(grads: list[torch.Tensor]) -> bool:
