@@ -163,3 +163,33 @@ def test_a_failed_merged_pass_reruns_its_jobs_alone(tiny_model_dir: Path, tmp_pa
     assert all(r.ok for r in results), [r.error for r in results]
     for j in jobs:
         assert _rel(_grads(t, j.model_id), solo[j.model_id]) < 1e-12  # accumulated exactly once
+
+
+@pytest.mark.parametrize("tokens", [8, 300])
+def test_routed_lora_term_equals_each_route_alone(tokens: int) -> None:
+    """Rows of adapters with different ranks, of an adapter this layer lacks, and of no adapter: output and every
+    adapter's gradient equal those of each route's rows run alone (fp64)."""
+    from workers.engine.multi_lora import LoraLinear, Route, routed
+
+    torch.manual_seed(0)
+    layer = LoraLinear(torch.nn.Linear(12, 20, dtype=torch.float64))
+    gen = torch.Generator().manual_seed(1)
+    for name, rank in (("a", 4), ("b", 2)):
+        layer.add_adapter(name, rank, alpha=2.0 * rank, generator=gen)
+        with torch.no_grad():
+            layer.lora_B[name].normal_(generator=gen)
+    routes = [Route("a", 0, 2), Route(None, 2, 3), Route("b", 3, 4), Route("other", 4, 5), Route("a", 5, 6)]
+    x = torch.randn(6, tokens, 12, dtype=torch.float64)
+    params = [layer.lora_A["a"], layer.lora_B["a"], layer.lora_A["b"], layer.lora_B["b"]]
+    with routed({}, routes):
+        merged = layer(x)
+    grads = torch.autograd.grad((merged * merged).sum(), params)
+
+    solo = []
+    for r in routes:
+        with routed({}, [Route(r.adapter_id, 0, r.stop - r.start)]):
+            solo.append(layer(x[r.start : r.stop]))
+    alone = torch.cat(solo)
+    assert torch.allclose(merged, alone, rtol=1e-12, atol=1e-12)
+    for g, want in zip(grads, torch.autograd.grad((alone * alone).sum(), params)):
+        assert torch.allclose(g, want, rtol=1e-10, atol=1e-12)
