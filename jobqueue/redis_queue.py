@@ -48,6 +48,15 @@ def _result(job_id: str, media: bytes, body: bytes, cat: bytes, msg: bytes) -> J
     return JobResult(job_id=job_id, media_type=media.decode(), body=body)  # type: ignore[arg-type]
 
 
+def _inline_result(job_id: str, payload: bytes) -> JobResult | None:
+    """The result a wake-up push carried ("media|cat|len(msg)|msg+body", see redis_scripts), None if unreadable."""
+    try:
+        media, cat, n, rest = payload.split(b"|", 3)
+        return _result(job_id, media, rest[int(n):], cat, rest[:int(n)])
+    except ValueError:
+        return None
+
+
 class RedisQueue(JobQueue):
     def __init__(
         self,
@@ -107,10 +116,8 @@ class RedisQueue(JobQueue):
         return await self._wait(f"j:{job_id}", timeout, lambda ev: self._take(job_id, ev))
 
     async def _take(self, job_id: str, ev: Waiter) -> JobResult | None:
-        try:
-            media, cat, n, rest = (ev.payload or b"").split(b"|", 3)
-            result = _result(job_id, media, rest[int(n):], cat, rest[:int(n)])
-        except ValueError:  # no result in the push (or not one we can read): read it from Redis
+        result = _inline_result(job_id, ev.payload) if ev.payload is not None else None
+        if result is None:  # no push yet, a push without the result, or one we cannot read: read it from Redis
             return await self._deliver(job_id)
         # The push carried the result: answer now; recording the delivery (its TTL) follows off the waiter's path
         task = asyncio.create_task(self._deliver(job_id, record_only=True))

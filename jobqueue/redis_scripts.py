@@ -103,15 +103,15 @@ return 1
 
 DELIVER = """
 -- KEYS: result, job.  ARGV: result ttl, '1' = only record the delivery (the caller has the result from its push)
-local r = redis.call('HMGET', KEYS[1], 'media', 'delivered')
+local r = redis.call('HMGET', KEYS[1], 'media', 'body', 'cat', 'msg', 'delivered')
 if not r[1] then return false end
-if not r[2] then
+if not r[5] then
   redis.call('HSET', KEYS[1], 'delivered', '1')
   redis.call('EXPIRE', KEYS[1], ARGV[1])
   if redis.call('EXISTS', KEYS[2]) == 1 then redis.call('EXPIRE', KEYS[2], ARGV[1]) end
 end
 if ARGV[2] == '1' then return 1 end
-return redis.call('HMGET', KEYS[1], 'media', 'body', 'cat', 'msg')
+return r
 """
 
 SNAPSHOT = """

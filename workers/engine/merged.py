@@ -146,7 +146,7 @@ class MergedPass:
             tensors = {k: torch.from_numpy(np.ascontiguousarray(v)).to(device) for k, v in d.inputs.items()}
             targets = tensors["target_tokens"]
             n = len(d.tokens)
-            lp = picked[it.start + i, :n, : targets.reshape(n, -1).shape[1]].reshape(targets.shape)
+            lp = picked[it.start + i, :n, : targets.numel() // n].reshape(targets.shape)
             # a forward-only job's loss builds no graph, whoever shares the pass (a custom loss runs its own backward)
             lps.append(lp.detach() if it.forward_only else lp)
             inputs.append({k: (v.to(picked.dtype) if v.is_floating_point() else v) for k, v in tensors.items()})
