@@ -1,18 +1,22 @@
 """The gateway <-> worker contract: a Job goes down the queue, a JobResult comes back.
 
-Jobs are frozen: once the gateway has validated and queued one, nothing may change it. Binary payloads
-(the forward_backward protobuf) travel as bytes, base64 in JSON.
+This is the engine-native contract: typed batches, optimizer steps, saves and samples going down, typed results
+coming back. No client's wire format appears here; each edge of the gateway (Tinker, native, OpenAI) converts
+its requests into these jobs and their results back, once. Jobs are frozen: once the gateway has validated and
+queued one, nothing may change it. Arrays travel as bytes (`Array`), base64 in JSON.
 """
 
 from __future__ import annotations
 
 import hashlib
 from enum import Enum
-from typing import Annotated, Literal
+from collections.abc import Sequence
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
-from api_schemas.tinker.custom_loss import CustomLossProgram
+from api_schemas.custom_loss import CustomLossProgram
 
 
 class _Frozen(BaseModel):
@@ -33,13 +37,42 @@ class LoraSpec(_Frozen):
     train_unembed: bool = True
 
 
-class AdamSpec(_Frozen):
+class AdamW(_Frozen):
+    """torch.optim.AdamW's update, with global grad-norm clipping of the adapter's own parameters first."""
+
+    kind: Literal["adamw"] = "adamw"
     learning_rate: float
-    beta1: float
-    beta2: float
-    eps: float
-    weight_decay: float
-    grad_clip_norm: float
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0  # <= 0: no clipping
+
+
+class SGD(_Frozen):
+    """torch.optim.SGD's update (momentum, dampening 0, optional Nesterov), after the same clipping."""
+
+    kind: Literal["sgd"] = "sgd"
+    learning_rate: float
+    momentum: float = 0.0
+    nesterov: bool = False
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
+
+
+Optimizer = Annotated[AdamW | SGD, Field(discriminator="kind")]
+
+
+class LRSchedule(_Frozen):
+    """Scales the step's learning rate by where the model is in its schedule (the engine counts the steps).
+
+    factor(step) = step / warmup_steps during warm-up, then 1 (constant), a linear decay or a half cosine from 1
+    down to `min_ratio` at `total_steps` (and `min_ratio` after it)."""
+
+    kind: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: int = 0
+    total_steps: int | None = None  # needed by linear and cosine
+    min_ratio: float = 0.0
 
 
 class CreateModel(_Frozen):
@@ -48,26 +81,65 @@ class CreateModel(_Frozen):
     optimizer: Literal["adamw"] = "adamw"
 
 
+class Array(_Frozen):
+    """A dense tensor as bytes (little-endian, C order): how arrays cross the queue without a client's format."""
+
+    dtype: Literal["int64", "float32"]
+    shape: tuple[int, ...]
+    data: bytes
+
+    @classmethod
+    def of(cls, a: np.ndarray) -> Array:
+        """int64 or float32 (other integer / float dtypes are converted)."""
+        dtype = np.dtype("<i8") if a.dtype.kind in "iub" else np.dtype("<f4")
+        a = np.ascontiguousarray(a, dtype=dtype)
+        return cls(dtype="int64" if dtype.kind == "i" else "float32", shape=a.shape, data=a.tobytes())
+
+    def numpy(self) -> np.ndarray:
+        """A read-only view of the bytes (no copy)."""
+        return np.frombuffer(self.data, dtype="<i8" if self.dtype == "int64" else "<f4").reshape(self.shape)
+
+
+class Datum(_Frozen):
+    tokens: Array  # int64 (n,): the model input
+    inputs: dict[str, Array]  # the loss's inputs by name ("target_tokens" (n,) or (n, k), "weights", "advantages", ...)
+
+
 class ForwardBackward(_Frozen):
+    """A training batch: forward (and, unless forward_only, backward) of a model's datums under one loss.
+
+    `rows`, `max_len` and `tokens` are computed once, by `build`, where the batch is made: quotas and the
+    scheduler size a job from them without looking at its arrays."""
+
     kind: Literal["forward_backward"] = "forward_backward"
-    request_pb: bytes  # serialized (uncompressed) tinker_public.ForwardBackwardRequest, already validated
     forward_only: bool
-    # loss_fn "custom": the checked graph its loss_id names, resolved by the gateway (workers and replay need no
-    # lookup, and a later change to the stored loss cannot change a queued job)
+    loss_fn: str  # a name of api_schemas/losses.py's table, or "custom" with `custom_loss`
+    loss_config: dict[str, float | str] = Field(default_factory=dict)
+    # loss_fn "custom": the checked graph its loss id names, resolved where the job was built (workers and replay
+    # need no lookup, and a later change to the stored loss cannot change a queued job)
     custom_loss: CustomLossProgram | None = None
+    datums: tuple[Datum, ...]
+    rows: int
+    max_len: int
+    tokens: int
+
+    @classmethod
+    def build(cls, datums: Sequence[Datum], **fields: Any) -> ForwardBackward:
+        lengths = [d.tokens.shape[0] if d.tokens.shape else 0 for d in datums]
+        return cls(datums=tuple(datums), rows=len(lengths), max_len=max(lengths, default=0), tokens=sum(lengths),
+                   **fields)
 
 
 class OptimStep(_Frozen):
     kind: Literal["optim_step"] = "optim_step"
-    adam: AdamSpec
+    optimizer: Optimizer
+    schedule: LRSchedule | None = None  # None: the optimizer's learning_rate as it is
 
 
 class SaveWeights(_Frozen):
     kind: Literal["save_weights"] = "save_weights"
     storage_key: str  # relative location inside the checkpoint store, minted by the gateway
-    tinker_path: str
-    with_optimizer: bool  # True for save_state (weights/), False for sampler_weights/
-    sampling_session_id: str | None = None  # ephemeral sampler save: the result names this session, not a path
+    with_optimizer: bool  # weights + optimizer state (a resumable training checkpoint), or weights only
     max_bytes: int | None = None  # the tenant's storage quota left: a bigger checkpoint fails (category user)
 
 
@@ -123,7 +195,7 @@ class SampleParams(_Frozen):
 
 
 class Sample(_Frozen):
-    """asample / compute_logprobs (lane "sample"): the result body is a serialized tinker_public.SampleResponse."""
+    """Sampling or prompt scoring (lane "sample"); the result is a SampleResult."""
 
     kind: Literal["sample"] = "sample"
     prompt_tokens: tuple[int, ...]
@@ -158,7 +230,10 @@ class Job(_Frozen):
     model_id: str
     seq_id: int  # per-model order; 0 for the model's first operation (create / create-via-load)
     payload: Payload
-    result_type: str  # tinker result type name, e.g. "ForwardBackwardOutput"; tells retrieve_future the media type
+
+    @property
+    def result_kind(self) -> ResultKind:
+        return RESULT_KINDS[self.payload.kind]
 
     @property
     def queue_name(self) -> str:
@@ -174,15 +249,104 @@ class JobError(_Frozen):
     message: str
 
 
+class ResultKind(str, Enum):
+    """What a job's result holds; an edge picks its client's encoding by it."""
+
+    CREATE_MODEL = "create_model"
+    FORWARD_BACKWARD = "forward_backward"
+    OPTIM_STEP = "optim_step"
+    SAVE = "save"
+    LOAD = "load"
+    SAMPLE = "sample"
+    SKIP = "skip"
+    RELEASE = "release"
+
+
+RESULT_KINDS: dict[str, ResultKind] = {
+    "create_model": ResultKind.CREATE_MODEL, "forward_backward": ResultKind.FORWARD_BACKWARD,
+    "optim_step": ResultKind.OPTIM_STEP, "save_weights": ResultKind.SAVE, "load_weights": ResultKind.LOAD,
+    "sample": ResultKind.SAMPLE, "skip": ResultKind.SKIP, "release_model": ResultKind.RELEASE,
+}
+
+
+class ModelReady(_Frozen):
+    """create_model and load_weights: the model holds its adapter (new, or loaded from a checkpoint)."""
+
+    kind: Literal["model_ready"] = "model_ready"
+    model_id: str
+
+
+class ForwardBackwardResult(_Frozen):
+    kind: Literal["forward_backward"] = "forward_backward"
+    outputs: tuple[dict[str, Array], ...]  # per datum, in order: "logprobs" (+ "elementwise_loss", ...)
+    metrics: dict[str, float]  # "name:reduction" keys; always "loss:sum"
+
+
+class OptimStepResult(_Frozen):
+    kind: Literal["optim_step"] = "optim_step"
+    metrics: dict[str, float]
+    learning_rate: float  # the rate the step used (after the schedule)
+    step: int  # the model's optimizer steps so far, this one included
+
+
+class SaveResult(_Frozen):
+    kind: Literal["save"] = "save"
+    storage_key: str
+    size_bytes: int
+
+
+class SampledSequence(_Frozen):
+    tokens: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    stop_reason: Literal["stop", "length"]
+    topk_ids: Array | None = None  # (len(tokens), k) int64, only when topk_sample_logprobs > 0
+    topk_logprobs: Array | None = None  # (len(tokens), k) float32
+
+
+class SampleResult(_Frozen):
+    kind: Literal["sample"] = "sample"
+    sequences: tuple[SampledSequence, ...] = ()
+    prompt_logprobs: Array | None = None  # (len(prompt),) float32, NaN where not scored
+    topk_prompt_ids: Array | None = None  # (len(prompt), k) int64, 0 in empty slots
+    topk_prompt_logprobs: Array | None = None  # (len(prompt), k) float32, -99999.0 in empty slots
+    prompt_cache_hit_tokens: int = 0
+
+
+class Skipped(_Frozen):
+    kind: Literal["skipped"] = "skipped"
+    reason: str
+
+
+class Released(_Frozen):
+    kind: Literal["released"] = "released"
+    model_id: str
+
+
+Output = Annotated[
+    ModelReady | ForwardBackwardResult | OptimStepResult | SaveResult | SampleResult | Skipped | Released,
+    Field(discriminator="kind"),
+]
+_OUTPUT: TypeAdapter[Output] = TypeAdapter(Output)
+
+
 class JobResult(_Frozen):
+    """A job's outcome: its typed output, or an error. Queues carry the output as `body` (its JSON)."""
+
     job_id: str
-    media_type: Literal["application/json", "application/x-protobuf"] = "application/json"
-    body: bytes = b""
+    output: Output | None = None
     error: JobError | None = None
 
     @property
     def ok(self) -> bool:
         return self.error is None
+
+    @property
+    def body(self) -> bytes:
+        return b"" if self.output is None else self.output.__pydantic_serializer__.to_json(self.output)
+
+    @classmethod
+    def from_body(cls, job_id: str, body: bytes) -> JobResult:
+        return cls(job_id=job_id, output=_OUTPUT.validate_json(body) if body else None)
 
 
 class JobState(str, Enum):

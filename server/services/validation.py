@@ -6,7 +6,7 @@ import numpy as np
 
 from api_schemas.models import ServedModel
 from api_schemas.tinker.custom_loss import CustomLossProgram, check_custom_inputs
-from api_schemas.tinker.losses import LossSpecError, validate_loss_request
+from api_schemas.losses import LossSpecError, validate_loss_request
 from api_schemas.tinker.proto import DecodedForwardBackward
 from server.errors import BadRequest
 

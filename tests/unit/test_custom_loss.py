@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from tinker.lib.public_interfaces.custom_loss import encode_graph, trace_loss
 from torch.fx.node import _get_qualified_name
 
-from api_schemas.tinker import custom_loss_ops as ops
+from api_schemas import custom_loss_ops as ops
 from api_schemas.tinker.custom_loss import (
     CreateCustomLossRequest,
     CustomLossProgram,

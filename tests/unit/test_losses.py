@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from api_schemas.tinker.losses import LOSS_SPECS, SUPPORTED_LOSSES, LossSpecError, validate_loss_request
+from api_schemas.losses import LOSS_SPECS, SUPPORTED_LOSSES, LossSpecError, validate_loss_request
 from workers.engine.losses import compute_loss
 
 REPO = Path(__file__).resolve().parents[2]
@@ -320,5 +320,5 @@ def test_good_requests_pass_validation() -> None:
 
 
 def test_the_gateway_table_does_not_import_torch() -> None:
-    code = "import sys, api_schemas.tinker.losses; sys.exit('torch' in sys.modules)"
+    code = "import sys, api_schemas.losses; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO).returncode == 0

@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from api_schemas.tinker import custom_loss_ops as ops
-from api_schemas.tinker.custom_loss import (
+from api_schemas import custom_loss_ops as ops
+from api_schemas.custom_loss import (
     CustomLossProgram,
     ProgramNode,
     check_custom_inputs,

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from api_schemas.tinker import custom_loss_ops as ops
+from api_schemas import custom_loss_ops as ops
 from workers.engine.errors import UserJobError
 
 _MAX_INT = 2**63

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from api_schemas.jobs import ErrorCategory, Job, JobError, JobResult
-from api_schemas.tinker.losses import LossSpecError
+from api_schemas.losses import LossSpecError
 from workers.engine.adapter_pool import AdapterError
 from workers.engine.optim import InvalidAdamParamsError, NonFiniteGradError
 

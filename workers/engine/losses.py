@@ -1,7 +1,7 @@
 """Tinker loss functions on the learner's target-token log-probabilities (the math behind forward_backward).
 
 Every loss is a per-token ("elementwise") loss SUMMED over tokens and datums, as Tinker does (never averaged).
-Names, required inputs and config defaults come from `api_schemas.tinker.losses`, the table the gateway also
+Names, required inputs and config defaults come from `api_schemas.losses`, the table the gateway also
 validates with. Notation as in the Tinker docs: lp = learner logprobs, q = sampler logprobs
 (`loss_fn_inputs["logprobs"]`), A = advantages, r = exp(lp - q), sg = stop-gradient.
 """
@@ -13,8 +13,8 @@ from typing import Callable, Mapping
 
 import torch
 
-from api_schemas.tinker.custom_loss import CustomLossProgram
-from api_schemas.tinker.losses import LossSpecError, resolve_loss_config, validate_loss_request
+from api_schemas.custom_loss import CustomLossProgram
+from api_schemas.losses import LossSpecError, resolve_loss_config, validate_loss_request
 from workers.engine.custom_loss import CustomLossError, run_custom_loss
 
 __all__ = ["LossOutput", "LossSpecError", "compute_loss"]
