@@ -20,7 +20,8 @@ from api_schemas.custom_loss import CustomLossProgram
 
 
 class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_bytes="base64", val_json_bytes="base64")
+    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_bytes="base64", val_json_bytes="base64",
+                              ser_json_inf_nan="constants")
 
 
 class ErrorCategory(str, Enum):

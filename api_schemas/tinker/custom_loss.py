@@ -9,18 +9,23 @@ that calls only allowlisted functions and checks each result's size before alloc
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from collections.abc import Set
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from api_schemas import custom_loss_ops as ops
-from api_schemas.custom_loss import CustomLossInput, CustomLossProgram, ProgramNode, check_custom_inputs, decode_float
+from api_schemas.custom_loss import (  # noqa: F401 - re-exported: the Tinker upload builds these
+    _FLOATS,
+    CustomLossInput,
+    CustomLossProgram,
+    ProgramNode,
+    check_custom_inputs,
+    decode_float,
+)
 
 __all__ = [
     "CreateCustomLossRequest",

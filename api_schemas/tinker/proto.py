@@ -1,4 +1,5 @@
-"""Protobuf conversion for the two binary parts of the Tinker API: forward_backward requests in, results out.
+"""Protobuf conversion for the binary parts of the Tinker API: forward_backward requests in, their outputs and
+sample responses out.
 
 Uses the pinned SDK's `tinker_public_pb2`; the SDK ships only the client side of these codecs, this is the inverse.
 """
@@ -10,6 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 import zstandard
 from tinker.proto import tinker_public_pb2 as pb
+
+from api_schemas.jobs import Array, Datum, SampleResult
 
 _DTYPES: dict[int, np.dtype] = {
     pb.DTYPE_FLOAT32: np.dtype("<f4"),
@@ -130,6 +133,11 @@ def decode_forward_backward(msg: pb.ForwardBackwardRequest) -> DecodedForwardBac
     )
 
 
+def batch_datums(req: DecodedForwardBackward) -> list[Datum]:
+    """The request's datums as the engine-native job carries them."""
+    return [Datum(tokens=Array.of(d.tokens), inputs={k: Array.of(v) for k, v in d.inputs.items()}) for d in req.data]
+
+
 def encode_forward_backward_output(outputs: list[dict[str, np.ndarray]], metrics: dict[str, float]) -> bytes:
     """One ArrayRecord holding every datum's outputs, in request order."""
     record = pb.ArrayRecord(type_tag="ArrayRecord", num_datums=len(outputs))
@@ -152,3 +160,29 @@ def encode_forward_backward_output(outputs: list[dict[str, np.ndarray]], metrics
     for k, v in metrics.items():
         out.metrics[k] = float(v)
     return out.SerializeToString()
+
+
+def _topk(ids: np.ndarray, lps: np.ndarray) -> pb.TopkLogprobs:
+    n, k = ids.shape
+    return pb.TopkLogprobs(
+        token_ids=np.ascontiguousarray(ids, dtype="<i4").tobytes(),
+        logprobs=np.ascontiguousarray(lps, dtype="<f4").tobytes(),
+        k=k,
+        length=n,
+    )
+
+
+def encode_sample_response(out: SampleResult) -> bytes:
+    msg = pb.SampleResponse(prompt_cache_hit_tokens=out.prompt_cache_hit_tokens)
+    for seq in out.sequences:
+        s = msg.sequences.add()
+        s.stop_reason = pb.STOP_REASON_STOP if seq.stop_reason == "stop" else pb.STOP_REASON_LENGTH
+        s.tokens = np.asarray(seq.tokens, dtype="<i4").tobytes()
+        s.logprobs = np.asarray(seq.logprobs, dtype="<f4").tobytes()
+        if seq.topk_ids is not None and seq.topk_logprobs is not None:
+            s.topk_sampled_logprobs.CopyFrom(_topk(seq.topk_ids.numpy(), seq.topk_logprobs.numpy()))
+    if out.prompt_logprobs is not None:
+        msg.prompt_logprobs = out.prompt_logprobs.numpy().astype("<f4").tobytes()
+    if out.topk_prompt_ids is not None and out.topk_prompt_logprobs is not None:
+        msg.topk_prompt_logprobs.CopyFrom(_topk(out.topk_prompt_ids.numpy(), out.topk_prompt_logprobs.numpy()))
+    return msg.SerializeToString()

@@ -94,6 +94,11 @@ async def sampling_session_by_id(s: AsyncSession, sampling_session_id: str) -> S
     return await s.get(SamplingSessionRow, sampling_session_id)
 
 
+async def sampling_session_by_storage_key(s: AsyncSession, storage_key: str) -> SamplingSessionRow | None:
+    q = select(SamplingSessionRow).where(SamplingSessionRow.storage_key == storage_key).limit(1)
+    return (await s.execute(q)).scalars().first()
+
+
 async def ephemeral_sampling_sessions(s: AsyncSession) -> Sequence[tuple[SamplingSessionRow, SessionRow]]:
     """Every ephemeral sampling session with its client session, newest first."""
     q = (

@@ -15,9 +15,8 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from tinker.proto import tinker_public_pb2 as pb
 
-from api_schemas.jobs import Job, Sample, SampleParams, WeightsRef
+from api_schemas.jobs import Job, Sample, SampleParams, SampleResult, WeightsRef
 from api_schemas.models import ServedModel
 from api_schemas.openai import (
     AssistantMessage,
@@ -95,10 +94,10 @@ def _payload(req: ChatCompletionRequest, p: Prepared, prompt: list[int], max_tok
     return Sample(prompt_tokens=tuple(prompt), num_samples=req.n, params=params, weights=p.weights)
 
 
-async def run_sample(ctx: Context, tenant_id: str, base_model: str, payload: Sample) -> pb.SampleResponse:
+async def run_sample(ctx: Context, tenant_id: str, base_model: str, payload: Sample) -> SampleResult:
     """Queue one sample job (no client seq_id: nothing to deduplicate) and wait for its result."""
     job = Job(job_id=str(uuid.uuid4()), tenant_id=tenant_id, base_model=base_model, lane="sample",
-              model_id=f"openai:{tenant_id}", seq_id=0, payload=payload, result_type="SampleResponse")
+              model_id=f"openai:{tenant_id}", seq_id=0, payload=payload)
     job_id = await ctx.queue.submit(job)
     deadline = time.monotonic() + MAX_WAIT_SECONDS
     while time.monotonic() < deadline:
@@ -109,12 +108,10 @@ async def run_sample(ctx: Context, tenant_id: str, base_model: str, payload: Sam
             if result.error.category.value == "user":
                 raise BadRequest(result.error.message)
             raise SamplerFailed(result.error.message)
-        return pb.SampleResponse.FromString(result.body)
+        if not isinstance(result.output, SampleResult):
+            raise SamplerFailed("the sampler answered without samples")
+        return result.output
     raise SamplerFailed("the sampler did not answer in time")
-
-
-def _tokens(seq: pb.SampledSequence) -> list[int]:
-    return [int.from_bytes(seq.tokens[i : i + 4], "little", signed=True) for i in range(0, len(seq.tokens), 4)]
 
 
 def _cut_at_stop(text: str, stops: tuple[str, ...]) -> tuple[str, bool]:
@@ -128,10 +125,10 @@ async def complete(ctx: Context, tenant_id: str, req: ChatCompletionRequest) -> 
     res = await run_sample(ctx, tenant_id, p.served.name, _payload(req, p, p.prompt, p.limit, req.seed))
     choices, generated = [], 0
     for i, seq in enumerate(res.sequences):
-        tokens = _tokens(seq)
+        tokens = list(seq.tokens)
         generated += len(tokens)
         text, _ = _cut_at_stop(p.tok.decode(tokens), req.stop_strings)
-        stopped = seq.stop_reason == pb.STOP_REASON_STOP
+        stopped = seq.stop_reason == "stop"
         message = AssistantMessage(content=text)
         choices.append(Choice(index=i, message=message, finish_reason="stop" if stopped else "length"))
     usage = Usage(prompt_tokens=len(p.prompt), completion_tokens=generated, total_tokens=len(p.prompt) + generated)
@@ -156,9 +153,9 @@ async def stream(ctx: Context, tenant_id: str, req: ChatCompletionRequest, p: Pr
         n = min(STREAM_CHUNK, p.limit - k)
         res = await run_sample(ctx, tenant_id, p.served.name, _payload(req, p, p.prompt + generated, n, seed))
         seq = res.sequences[0]
-        generated += _tokens(seq)
+        generated += seq.tokens
         text, stopped = _cut_at_stop(p.tok.decode(generated), req.stop_strings)
-        done = stopped or seq.stop_reason == pb.STOP_REASON_STOP
+        done = stopped or seq.stop_reason == "stop"
         # Hold back what could still become a stop string, and a trailing partial UTF-8 character.
         ready = text if done else text[: max(len(sent), len(text) - hold)].rstrip("\ufffd")
         if len(ready) > len(sent):

@@ -9,11 +9,12 @@ files are removed only when the last row that names them is gone.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 
+from api_schemas.jobs import SaveResult
+from api_schemas.tinker.results import SavedAs
 from api_schemas.tinker.rest import SEGMENT_TYPES, Checkpoint, CheckpointsListResponse, Cursor
 from jobqueue.base import JobState
 from jobqueue.storage import CheckpointStorage
@@ -69,23 +70,33 @@ async def readable(ctx: Context, tenant_id: str, path: str) -> CheckpointRow:
     return row
 
 
-async def record_result(ctx: Context, request_id: str, ok: bool, size_bytes: int | None) -> None:
-    """Called when a save job's result is seen: the pending row becomes ready (with its size). A failed save
-    wrote nothing (writes are atomic): an overwritten checkpoint is ready again as it was, a new one is dropped."""
+async def record_result(ctx: Context, request_id: str, result: SaveResult | None) -> SavedAs | None:
+    """Called when a save job's result is seen (`result` None: the save failed): the pending row becomes ready (with
+    its size). A failed save wrote nothing (writes are atomic): an overwritten checkpoint is ready again as it was, a
+    new one is dropped. Returns what the save's answer names: its checkpoint, or the ephemeral sampling session."""
     async with ctx.db.session() as s:
-        rows = [r for r in await repo.checkpoints_by_request(s, request_id) if r.status == "pending"]
+        rows = list(await repo.checkpoints_by_request(s, request_id))
+        if not rows and result is not None:
+            eph = await repo.sampling_session_by_storage_key(s, result.storage_key)
+            return SavedAs(kind="sampler_weights", sampling_session_id=eph.id) if eph is not None else None
     for row in rows:
-        files = None if ok else await asyncio.to_thread(storage(ctx).files, row.storage_key)
+        if row.status != "pending":
+            continue
+        files = None if result is not None else await asyncio.to_thread(storage(ctx).files, row.storage_key)
         async with ctx.db.session() as s:
             fresh = await s.get(CheckpointRow, row.id)
             if fresh is None or fresh.status != "pending":
                 continue
-            if ok:
-                fresh.status, fresh.size_bytes = "ready", size_bytes
+            if result is not None:
+                fresh.status, fresh.size_bytes = "ready", result.size_bytes
             elif files:
                 fresh.status, fresh.size_bytes = "ready", sum(files.values())
             else:
                 await lrepo.delete_checkpoint(s, fresh)
+    if not rows:
+        return None
+    row = rows[0]
+    return SavedAs(kind=row.kind, path=f"tinker://{row.model_id}/{row.kind}/{row.name}")
 
 
 class QuotaExceeded(DomainError):
@@ -229,9 +240,6 @@ async def settle_pending(ctx: Context, older_than_seconds: float = 5.0) -> None:
         if info is not None and info.state != JobState.DONE:
             continue  # still queued or running
         result = await ctx.queue.wait_result(row.request_id, 0.01) if info is not None else None
-        if result is not None:
-            size = json.loads(result.body).get("size_bytes") if result.ok else None
-            await record_result(ctx, row.request_id, result.ok, size)
-        else:  # the result expired: the files tell whether the save happened
-            files = await asyncio.to_thread(storage(ctx).files, row.storage_key)
-            await record_result(ctx, row.request_id, bool(files), sum(files.values()) if files else None)
+        # without a result (failed, or expired) the files tell whether the save happened
+        out = result.output if result is not None and isinstance(result.output, SaveResult) else None
+        await record_result(ctx, row.request_id, out)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from api_schemas.jobs import ResultKind, SaveResult
 from api_schemas.tinker.futures import (
     CancelFutureResponse,
     FutureFailed,
@@ -13,15 +14,13 @@ from api_schemas.tinker.futures import (
     RetrieveFuturesRequest,
     RetrieveFuturesResponse,
 )
+from api_schemas.tinker.results import encode_result
 from api_schemas.tinker.types import FutureError, TryAgain
-from server.errors import NotFound
+from server.errors import DomainError, NotFound
 from server.services import checkpoints as ckpt
 from server.services import custom_losses
 from server.services.context import Context
 from server.services.quotas import QuotaQueue
-
-_SAVE_RESULTS = {"SaveWeightsResponse", "SaveWeightsForSamplerResponse", "SaveWeightsExternalResponse"}
-
 
 @dataclass(frozen=True)
 class FutureAnswer:
@@ -38,7 +37,7 @@ async def retrieve(ctx: Context, tenant_id: str, request_id: str) -> FutureAnswe
         owner = (info.tenant_id, info.result_type) if info is not None else None
     if owner is None or owner[0] != tenant_id:
         raise NotFound(f"future {request_id} not found (unknown, expired, or not yours)")
-    result_type = owner[1]
+    kind = owner[1]
     result = await ctx.queue.wait_result(request_id, ctx.settings.long_poll_seconds)
     if result is None:
         reason = ctx.queue.paused_reason(request_id) if isinstance(ctx.queue, QuotaQueue) else None
@@ -46,12 +45,16 @@ async def retrieve(ctx: Context, tenant_id: str, request_id: str) -> FutureAnswe
             request_id=request_id, queue_state="paused_rate_limit", queue_state_reason=reason)
         return _json(pending.model_dump(exclude_none=True))
     ctx.recent_future(request_id, delivered=True)
-    if result_type in _SAVE_RESULTS:
-        size = json.loads(result.body).get("size_bytes") if result.ok else None
-        await ckpt.record_result(ctx, request_id, result.ok, size)
+    saved = None
+    if kind is ResultKind.SAVE:
+        out = result.output if isinstance(result.output, SaveResult) else None
+        saved = await ckpt.record_result(ctx, request_id, out)
     if result.error is not None:
         return _json(FutureError(error=result.error.message, category=result.error.category.value).model_dump())
-    return FutureAnswer(result.media_type, result.body)
+    if result.output is None:
+        raise DomainError(f"future {request_id} finished without a result")
+    media_type, body = encode_result(kind, result.output, saved)
+    return FutureAnswer(media_type, body)
 
 
 def _json(payload: dict) -> FutureAnswer:

@@ -137,7 +137,7 @@ async def save_ephemeral(ctx: Context, tenant_id: str, model: ModelRow, req: Sav
                 base_model=model.base_model, model_path=None, storage_key=key, weights_version=f"eph:{uuid.uuid4()}",
                 source_model_id=model.id, ephemeral=True,
             ))
-        return SaveWeights(storage_key=key, tinker_path="", with_optimizer=False, sampling_session_id=sid)
+        return SaveWeights(storage_key=key, with_optimizer=False)
 
     return await queue_op(ctx, tenant_id, model, req.seq_id, build, "SaveWeightsForSamplerResponse")
 

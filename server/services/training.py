@@ -5,8 +5,14 @@ from __future__ import annotations
 
 import re
 
-from api_schemas.jobs import AdamSpec, ForwardBackward, LoadWeights, OptimStep, Payload, SaveWeights, Skip
-from api_schemas.tinker.proto import ProtoDecodeError, decode_forward_backward, decompress, parse_forward_backward
+from api_schemas.jobs import AdamW, ForwardBackward, LoadWeights, OptimStep, Payload, SaveWeights, Skip
+from api_schemas.tinker.proto import (
+    ProtoDecodeError,
+    batch_datums,
+    decode_forward_backward,
+    decompress,
+    parse_forward_backward,
+)
 from api_schemas.tinker.rest import SaveWeightsExternalRequest
 from api_schemas.tinker.types import (
     NAME_PATTERN,
@@ -73,7 +79,8 @@ async def forward_backward(ctx: Context, tenant_id: str, body: bytes, content_en
         # A custom loss travels in the job as its checked graph (404 unless this model's session created it).
         program = await custom_losses.resolve(ctx, tenant_id, model, loss_id) if isinstance(loss_id, str) else None
         check_forward_backward(req, ctx.served(model.base_model), ctx.settings.max_datums_per_request, program)
-        return ForwardBackward(request_pb=raw, forward_only=req.forward_only, custom_loss=program)
+        return ForwardBackward.build(batch_datums(req), forward_only=req.forward_only, loss_fn=req.loss_fn,
+                                     loss_config=req.loss_fn_config, custom_loss=program)
 
     return await _queue_op(ctx, tenant_id, model, int(msg.seq_id), build, "ForwardBackwardOutput")
 
@@ -90,7 +97,7 @@ async def optim_step(ctx: Context, tenant_id: str, req: OptimStepRequest) -> Unt
             raise BadRequest("adam_params need learning_rate >= 0, 0 <= beta1, beta2 < 1 and eps >= 0")
         if a.weight_decay < 0 or a.grad_clip_norm < 0:
             raise BadRequest("adam_params need weight_decay >= 0 and grad_clip_norm >= 0")
-        return OptimStep(adam=AdamSpec(**a.model_dump()))
+        return OptimStep(optimizer=AdamW(**a.model_dump()))
 
     return await _queue_op(ctx, tenant_id, model, req.seq_id, build, "OptimStepResponse")
 
@@ -139,8 +146,7 @@ async def _save(ctx: Context, tenant_id: str, model: ModelRow, seq_id: int, kind
                 s.add(row)
             row.status, row.request_id, row.expires_at = "pending", "", expires
             row.user_metadata = dict(metadata or {})
-        return SaveWeights(storage_key=key, tinker_path=tinker_path, with_optimizer=kind == "weights",
-                           max_bytes=left)
+        return SaveWeights(storage_key=key, with_optimizer=kind == "weights", max_bytes=left)
 
     async with ctx.db.session() as s:  # a retry of the same save (same seq_id) gets the same future back
         existing = await repo.checkpoint(s, model.id, kind, name)

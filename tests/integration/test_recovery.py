@@ -6,7 +6,6 @@ state equal an uninterrupted run's, and no acknowledged job ran twice."""
 from __future__ import annotations
 
 import asyncio
-import struct
 import threading
 import uuid
 from pathlib import Path
@@ -14,10 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from tinker.proto import tinker_public_pb2 as pb
 
 from api_schemas.jobs import (
-    AdamSpec, CreateModel, ForwardBackward, Job, JobResult, LoadWeights, LoraSpec, OptimStep, SaveWeights, queue_name,
+    AdamW, Array, CreateModel, Datum, ForwardBackward, Job, JobResult, LoadWeights, LoraSpec, OptimStep, SaveWeights, queue_name,
 )
 from jobqueue.redis_queue import RedisQueue
 from workers.checkpoints.store import CheckpointStore
@@ -30,36 +28,31 @@ pytest.importorskip("redis")
 
 BASE = "tiny"
 MODEL = "sess:train:0"
-ADAM = AdamSpec(learning_rate=2e-2, beta1=0.9, beta2=0.95, eps=1e-12, weight_decay=0.01, grad_clip_norm=1.0)
+ADAM = AdamW(learning_rate=2e-2, beta1=0.9, beta2=0.95, eps=1e-12, weight_decay=0.01, grad_clip_norm=1.0)
 
 
 def fb_payload(step: int) -> ForwardBackward:
     rng = np.random.default_rng(step)
-    msg = pb.ForwardBackwardRequest(model_id=MODEL, seq_id=0, loss_fn="cross_entropy", forward_only=False)
+    datums = []
     for _ in range(2):
-        tokens = rng.integers(5, 200, size=9).tolist()
+        tokens = rng.integers(5, 200, size=9)
         n = len(tokens) - 1
-        datum = pb.Datum(model_input=[pb.Chunk(encoded_text=pb.EncodedTextChunk(
-            tokens=struct.pack(f"<{n}i", *tokens[:-1])))])
-        datum.loss_fn_inputs["target_tokens"].CopyFrom(
-            pb.Tensor(dense=np.asarray(tokens[1:], "<i8").tobytes(), dtype=pb.DTYPE_INT64, shape=[n]))
-        datum.loss_fn_inputs["weights"].CopyFrom(
-            pb.Tensor(dense=np.ones(n, "<f4").tobytes(), dtype=pb.DTYPE_FLOAT32, shape=[n]))
-        msg.data.append(datum)
-    return ForwardBackward(request_pb=msg.SerializeToString(), forward_only=False)
+        datums.append(Datum(tokens=Array.of(tokens[:-1]), inputs={
+            "target_tokens": Array.of(tokens[1:]), "weights": Array.of(np.ones(n, "<f4"))}))
+    return ForwardBackward.build(datums, forward_only=False, loss_fn="cross_entropy")
 
 
 def script() -> list[Job]:
     """create, 3 steps, save_state, load it back, 4 more steps: seqs 0..16."""
     payloads: list = [CreateModel(lora=LoraSpec(rank=4, seed=11))]
     for step in range(3):
-        payloads += [fb_payload(step), OptimStep(adam=ADAM)]
-    payloads += [SaveWeights(storage_key="t/m/weights/ck", tinker_path="tinker://m/weights/ck", with_optimizer=True),
+        payloads += [fb_payload(step), OptimStep(optimizer=ADAM)]
+    payloads += [SaveWeights(storage_key="t/m/weights/ck", with_optimizer=True),
                  LoadWeights(storage_key="t/m/weights/ck", with_optimizer=True, create=False)]
     for step in range(3, 7):
-        payloads += [fb_payload(step), OptimStep(adam=ADAM)]
-    return [Job(job_id=str(uuid.uuid4()), tenant_id="t", base_model=BASE, model_id=MODEL, seq_id=i, payload=p,
-                result_type="x") for i, p in enumerate(payloads)]
+        payloads += [fb_payload(step), OptimStep(optimizer=ADAM)]
+    return [Job(job_id=str(uuid.uuid4()), tenant_id="t", base_model=BASE, model_id=MODEL, seq_id=i, payload=p)
+            for i, p in enumerate(payloads)]
 
 
 def state_of(trainer: Trainer) -> dict[str, torch.Tensor]:

@@ -17,7 +17,8 @@ import pytest
 import torch
 from tinker.proto import tinker_public_pb2 as pb
 
-from api_schemas.jobs import LoraSpec, Sample, SampleParams, WeightsRef
+from api_schemas.jobs import LoraSpec, Sample, SampleParams, SampleResult, WeightsRef
+from api_schemas.tinker.proto import encode_sample_response
 from tests.support.tiny_model import build_tiny_model
 from workers.checkpoints.store import CheckpointStore
 from workers.engine.adapter_pool import AdapterPool
@@ -50,10 +51,11 @@ class Rig:
         return WeightsRef(storage_key=key, version=f"{name}-{seed}")
 
     def run(self, sampler: SamplerBackend, *specs: Sample) -> list[pb.SampleResponse]:
-        async def go() -> list[bytes]:
+        async def go() -> list[SampleResult]:
             return list(await asyncio.gather(*(sampler.sample(s) for s in specs)))
 
-        return [pb.SampleResponse.FromString(b) for b in self.loop.run_until_complete(go())]
+        # through the Tinker edge's encoding: what the SDK receives
+        return [pb.SampleResponse.FromString(encode_sample_response(r)) for r in self.loop.run_until_complete(go())]
 
 
 _REQUEST_FIELDS = {"prompt_logprobs", "topk_prompt_logprobs", "prompt_logprobs_last_n", "topk_sample_logprobs"}

@@ -8,9 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from tinker.proto import tinker_public_pb2 as pb
 
-from api_schemas.jobs import ForwardBackward, Job
+from api_schemas.jobs import ForwardBackward, ForwardBackwardResult, Job
 from tests.unit.engine_jobs import fb, job, loss_of, random_rows
 from tests.unit.test_custom_loss import program
 from tests.unit.test_merged import MODELS, TOL, _grads, _rel, _step, _trainer
@@ -32,11 +31,8 @@ def as_custom(plain: Job, fn) -> Job:  # type: ignore[no-untyped-def]
     """The same datums as a cross_entropy job, run by `fn` as a server-side custom loss."""
     assert isinstance(plain.payload, ForwardBackward)
     prog = program(fn, {"logprobs": 1, "weights": 1}, loss_id=f"custom-loss-{fn.__name__}")
-    msg = pb.ForwardBackwardRequest.FromString(plain.payload.request_pb)
-    msg.loss_fn = "custom"
-    msg.loss_fn_config_v2["loss_id"].text = prog.loss_id
-    payload = ForwardBackward(request_pb=msg.SerializeToString(), forward_only=plain.payload.forward_only,
-                              custom_loss=prog)
+    payload = plain.payload.model_copy(update={
+        "loss_fn": "custom", "loss_config": {"loss_id": prog.loss_id}, "custom_loss": prog})
     return job(plain.model_id, plain.seq_id, payload)
 
 
@@ -57,9 +53,9 @@ def test_custom_losses_in_a_merged_step(tiny_model_dir: Path, tmp_path: Path) ->
     assert loss_of(a.body) == pytest.approx(solo["a"][0], rel=1e-9)
     assert _rel(_grads(t, "a"), solo["a"][1]) < 1e-9  # custom == cross_entropy, in the merged pass too
     assert _rel(_grads(t, "d"), solo["d"][1]) < 1e-9  # the other tenants are untouched
-    tokens = pb.ForwardBackwardOutput.FromString(a.body).metrics["custom/tokens:sum"]
-    assert tokens == sum(len(d.model_input[0].encoded_text.tokens) // 4
-                         for d in pb.ForwardBackwardRequest.FromString(plain["a"].payload.request_pb).data)
+    output, batch = a.output, plain["a"].payload
+    assert isinstance(output, ForwardBackwardResult) and isinstance(batch, ForwardBackward)
+    assert output.metrics["custom/tokens:sum"] == sum(d.tokens.shape[0] for d in batch.datums)
     for r, why in ((b, "exceeds the limit"), (c, "not finite")):
         assert not r.ok and r.error is not None and r.error.category.value == "user" and why in r.error.message
     assert all(g is None for g in t.pool.get("b").grads) and all(g is None for g in t.pool.get("c").grads)
@@ -69,7 +65,7 @@ def test_a_job_without_its_graph_fails_as_the_users(tiny_model_dir: Path, tmp_pa
     t = _trainer(tiny_model_dir, tmp_path, "float32")
     custom = as_custom(fb("a", 3, [[5, 6, 7, 8]]), weighted_ce)
     assert isinstance(custom.payload, ForwardBackward)
-    stripped = job("a", 3, ForwardBackward(request_pb=custom.payload.request_pb, forward_only=False))
+    stripped = job("a", 3, custom.payload.model_copy(update={"custom_loss": None}))
     r = t.execute(stripped)
     assert not r.ok and r.error is not None and r.error.category.value == "user" and "no graph" in r.error.message
     assert torch.isfinite(torch.tensor(loss_of(t.execute(fb("a", 4, [[5, 6, 7, 8]])).body)))

@@ -7,9 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from tinker.proto import tinker_public_pb2 as pb
 
-from api_schemas.jobs import Job, JobResult
+from api_schemas.jobs import ForwardBackwardResult, Job, JobResult
 from tests.unit.engine_jobs import create, fb, loss_of, optim, random_rows
 from workers.checkpoints.store import CheckpointStore
 from workers.engine.base_model import BaseModel
@@ -58,6 +57,12 @@ def _step(t: Trainer, jobs: list[Job]) -> list[JobResult]:
     return results
 
 
+def _logprobs(r: JobResult) -> np.ndarray:
+    """Every datum's logprobs of a forward_backward result, concatenated (float32, as the result carries them)."""
+    assert isinstance(r.output, ForwardBackwardResult)
+    return np.concatenate([o["logprobs"].numpy().ravel() for o in r.output.outputs])
+
+
 def _jobs(seed: int, seq: int = 3) -> list[Job]:
     rng = np.random.default_rng(seed)
     # rows of very different lengths, so the merged batch pads every tenant's rows to another tenant's length
@@ -74,15 +79,15 @@ def test_merged_grads_equal_solo(tiny_model_dir: Path, tmp_path: Path, dtype: st
         r = t.execute(j)
         assert r.ok, r.error
         solo_losses[j.model_id], solo_grads[j.model_id] = loss_of(r.body), _grads(t, j.model_id)
-        solo_lp[j.model_id] = pb.ForwardBackwardOutput.FromString(r.body).loss_fn_outputs[0].fields["logprobs"].data
+        solo_lp[j.model_id] = _logprobs(r)
     results = {r.job_id: r for r in _step(t, jobs)}
     for j in jobs:
         r = results[j.job_id]
         assert r.ok, r.error
         assert _rel(_grads(t, j.model_id), solo_grads[j.model_id]) < TOL[dtype], j.model_id
         assert loss_of(r.body) == pytest.approx(solo_losses[j.model_id], rel=TOL[dtype])
-        lp = np.frombuffer(pb.ForwardBackwardOutput.FromString(r.body).loss_fn_outputs[0].fields["logprobs"].data, "<f4")
-        np.testing.assert_allclose(lp, np.frombuffer(solo_lp[j.model_id], "<f4"), rtol=1e-5, atol=1e-6)
+        lp = _logprobs(r)
+        np.testing.assert_allclose(lp, solo_lp[j.model_id], rtol=1e-5, atol=1e-6)
 
 
 def test_other_tenants_data_changes_nothing_else(tiny_model_dir: Path, tmp_path: Path) -> None:

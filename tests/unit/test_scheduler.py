@@ -7,7 +7,7 @@ import pytest
 
 from api_schemas.jobs import (
     RELEASE_SEQ,
-    AdamSpec,
+    AdamW,
     ForwardBackward,
     Job,
     OptimStep,
@@ -20,7 +20,7 @@ from workers.scheduler import JobSize, Scheduler
 def job(model: str, seq: int) -> Job:
     return Job(
         job_id=f"{model}-{seq}", tenant_id="t", base_model="b", model_id=model, seq_id=seq,
-        payload=Skip(reason="test"), result_type="Skip",
+        payload=Skip(reason="test"),
     )
 
 
@@ -69,15 +69,15 @@ def test_rejects_stale_and_duplicate(seq: int, reason: str) -> None:
 # --- merged steps, token budget, fairness ---
 
 def fbjob(model: str, seq: int, tenant: str | None = None) -> Job:
-    req = ForwardBackward(request_pb=f"{model}:{seq}".encode(), forward_only=False)
+    req = ForwardBackward.build([], forward_only=False, loss_fn="cross_entropy")  # sized by the tests' measure
     return Job(job_id=f"{model}-{seq}", tenant_id=tenant or model, base_model="b", model_id=model, seq_id=seq,
-               payload=req, result_type="ForwardBackwardOutput")
+               payload=req)
 
 
 def barrier(model: str, seq: int) -> Job:
-    adam = AdamSpec(learning_rate=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, grad_clip_norm=0.0)
+    adam = AdamW(learning_rate=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, grad_clip_norm=0.0)
     return Job(job_id=f"{model}-{seq}", tenant_id=model, base_model="b", model_id=model, seq_id=seq,
-               payload=OptimStep(adam=adam), result_type="OptimStepResponse")
+               payload=OptimStep(optimizer=adam))
 
 
 def steps_of(s: Scheduler, now: float = 0, limit: int = 100) -> list[list[str]]:
@@ -187,7 +187,7 @@ def test_a_stream_of_barriers_delays_merged_work_by_a_bounded_number_of_jobs() -
 
 def release(model: str) -> Job:
     return Job(job_id=f"{model}-release", tenant_id="t", base_model="b", model_id=model, seq_id=RELEASE_SEQ,
-               payload=ReleaseModel(reason="test"), result_type="ReleaseModel")
+               payload=ReleaseModel(reason="test"))
 
 
 def test_release_runs_after_everything_queued_before_it_then_rejects_late_jobs() -> None:

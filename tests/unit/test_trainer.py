@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import struct
 import uuid
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from tinker.proto import tinker_public_pb2 as pb
 
-from api_schemas.jobs import AdamSpec, CreateModel, ForwardBackward, Job, LoraSpec, OptimStep
+from api_schemas.jobs import AdamW, Array, CreateModel, Datum, ForwardBackward, Job, LoraSpec, OptimStep
 from workers.checkpoints.store import CheckpointStore
 from workers.engine.base_model import BaseModel
 from workers.engine.trainer import Trainer
@@ -19,16 +17,14 @@ from workers.engine.trainer import Trainer
 
 def _job(model_id: str, seq: int, payload) -> Job:  # type: ignore[no-untyped-def]
     return Job(job_id=str(uuid.uuid4()), tenant_id="t", base_model="tiny", model_id=model_id, seq_id=seq,
-               payload=payload, result_type="x")
+               payload=payload)
 
 
-def _fb(model_id: str, seq: int, tokens: list[int]) -> Job:
-    datum = pb.Datum(model_input=[pb.Chunk(encoded_text=pb.EncodedTextChunk(tokens=struct.pack(f"<{len(tokens) - 1}i", *tokens[:-1])))])
+def _fb(model_id: str, seq: int, tokens: list[int], weight: float = 1.0) -> Job:
     n = len(tokens) - 1
-    datum.loss_fn_inputs["target_tokens"].CopyFrom(pb.Tensor(dense=np.asarray(tokens[1:], "<i8").tobytes(), dtype=pb.DTYPE_INT64, shape=[n]))
-    datum.loss_fn_inputs["weights"].CopyFrom(pb.Tensor(dense=np.ones(n, "<f4").tobytes(), dtype=pb.DTYPE_FLOAT32, shape=[n]))
-    msg = pb.ForwardBackwardRequest(model_id=model_id, seq_id=seq, data=[datum], loss_fn="cross_entropy")
-    return _job(model_id, seq, ForwardBackward(request_pb=msg.SerializeToString(), forward_only=False))
+    datum = Datum(tokens=Array.of(np.asarray(tokens[:-1])), inputs={
+        "target_tokens": Array.of(np.asarray(tokens[1:])), "weights": Array.of(np.full(n, weight, "<f4"))})
+    return _job(model_id, seq, ForwardBackward.build([datum], forward_only=False, loss_fn="cross_entropy"))
 
 
 @pytest.fixture()
@@ -43,7 +39,7 @@ def _ok(trainer: Trainer, job: Job) -> None:
 
 def test_optim_step_equals_torch_adamw(trainer: Trainer) -> None:
     _ok(trainer, _job("m", 0, CreateModel(lora=LoraSpec(rank=4, seed=7))))
-    adam = AdamSpec(learning_rate=3e-2, beta1=0.8, beta2=0.9, eps=1e-6, weight_decay=0.05, grad_clip_norm=0.0)
+    adam = AdamW(learning_rate=3e-2, beta1=0.8, beta2=0.9, eps=1e-6, weight_decay=0.05, grad_clip_norm=0.0)
     adapter = trainer.pool.get("m")
     ref = [p.detach().clone().requires_grad_(True) for p in adapter.params]
     opt = torch.optim.AdamW(ref, lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps,
@@ -53,7 +49,7 @@ def test_optim_step_equals_torch_adamw(trainer: Trainer) -> None:
         for r, g in zip(ref, adapter.grads):
             r.grad = g.clone()
         opt.step()
-        _ok(trainer, _job("m", 2 + 2 * step, OptimStep(adam=adam)))
+        _ok(trainer, _job("m", 2 + 2 * step, OptimStep(optimizer=adam)))
         diff = max((r - p).abs().max().item() for r, p in zip(ref, adapter.params))
         assert diff < 1e-6, (step, diff)
     assert max(p.abs().max().item() for p in adapter.params[1::2]) > 0  # B moved away from zero: not vacuous
@@ -64,10 +60,10 @@ def test_adapters_and_base_are_isolated(trainer: Trainer) -> None:
     _ok(trainer, _job("a", 0, CreateModel(lora=LoraSpec(rank=2, seed=1))))
     _ok(trainer, _job("b", 0, CreateModel(lora=LoraSpec(rank=2, seed=2))))
     b_before = [p.detach().clone() for p in trainer.pool.get("b").params]
-    adam = AdamSpec(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-12, weight_decay=0.0, grad_clip_norm=0.0)
+    adam = AdamW(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-12, weight_decay=0.0, grad_clip_norm=0.0)
     for step in range(2):
         _ok(trainer, _fb("a", 1 + 2 * step, [3, 4, 5, 6, 7]))
-        _ok(trainer, _job("a", 2 + 2 * step, OptimStep(adam=adam)))
+        _ok(trainer, _job("a", 2 + 2 * step, OptimStep(optimizer=adam)))
     assert all(g is None for g in trainer.pool.get("b").grads)
     assert all(torch.equal(x, y) for x, y in zip(b_before, trainer.pool.get("b").params))
     after = trainer.base.model.state_dict()
@@ -80,12 +76,7 @@ def test_non_finite_loss_fails_only_that_job(trainer: Trainer) -> None:
     """Finite inputs can still overflow (weights near float32 max): the job fails as a user error, no gradient is
     accumulated, and the same adapter and others go on training."""
     _ok(trainer, _job("x", 0, CreateModel(lora=LoraSpec(rank=2, seed=1))))
-    job = _fb("x", 1, [5, 6, 7, 8])
-    msg = pb.ForwardBackwardRequest.FromString(job.payload.request_pb)
-    n = 3
-    msg.data[0].loss_fn_inputs["weights"].CopyFrom(
-        pb.Tensor(dense=np.full(n, 3e38, "<f4").tobytes(), dtype=pb.DTYPE_FLOAT32, shape=[n]))
-    bad = _job("x", 1, ForwardBackward(request_pb=msg.SerializeToString(), forward_only=False))
+    bad = _fb("x", 1, [5, 6, 7, 8], weight=3e38)
     result = trainer.execute(bad)
     assert not result.ok and result.error is not None and result.error.category.value == "user"
     assert "not finite" in result.error.message
@@ -100,10 +91,10 @@ def test_failed_optim_step_drops_its_gradients(trainer: Trainer) -> None:
     adapter = trainer.pool.get("y")
     adapter.grads = [torch.full_like(g, float("inf")) for g in adapter.grads]  # as if a norm overflowed
     before = [p.detach().clone() for p in adapter.params]
-    adam = AdamSpec(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-12, weight_decay=0.0, grad_clip_norm=0.0)
-    result = trainer.execute(_job("y", 2, OptimStep(adam=adam)))
+    adam = AdamW(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-12, weight_decay=0.0, grad_clip_norm=0.0)
+    result = trainer.execute(_job("y", 2, OptimStep(optimizer=adam)))
     assert not result.ok and result.error is not None and result.error.category.value == "user"
     assert all(torch.equal(b, p) for b, p in zip(before, trainer.pool.get("y").params))
     _ok(trainer, _fb("y", 3, [5, 6, 7, 8]))
-    _ok(trainer, _job("y", 4, OptimStep(adam=adam)))
+    _ok(trainer, _job("y", 4, OptimStep(optimizer=adam)))
     assert not all(torch.equal(b, p) for b, p in zip(before, trainer.pool.get("y").params))

