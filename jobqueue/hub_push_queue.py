@@ -1,7 +1,8 @@
 """Hub pushes through Redis: the gateway's `pusher` in the Ray wiring, and the consumer the pusher deployment runs.
 
 Gateway side (`RedisHubPusher`, an `api_schemas.hub.HubPusher`): seals the push spec (it holds the tenant's token)
-under the cluster secret, stores it under a short-lived key, adds the push id to a stream, and waits for the outcome
+under the cluster secret (jobqueue/sealing.py, bound to the push id), stores it under a short-lived key, adds the
+push id to a stream, and waits for the outcome
 with a blocking pop (a push, not a poll). Pusher side (`HubPushConsumer`): a consumer group over that stream, so any
 number of pusher replicas share the work; each push runs once, on the uploader it was given (threads). A pusher that
 dies mid-upload leaves its entry pending; a live one claims it after `reclaim_idle` and reports the push as
@@ -39,7 +40,7 @@ class RedisHubPusher:
     async def __call__(self, spec: HubPushSpec) -> HubPushOutcome:
         push_id = uuid.uuid4().hex
         body = spec.model_dump(mode="json") | {"token": spec.token.get_secret_value()}
-        sealed = self.sealer.seal(json.dumps(body).encode())
+        sealed = self.sealer.seal(json.dumps(body).encode(), aad=push_id.encode())  # opens only as this push
         async with self.client.pipeline(transaction=True) as pipe:
             pipe.set(self.keys.hub_push_spec(push_id), sealed, ex=max(1, int(self.spec_ttl)))
             pipe.xadd(self.keys.hub_push_stream, {"id": push_id})
@@ -108,7 +109,8 @@ class HubPushConsumer:
             if self.sealer is None:
                 raise HubPushFailed("the checkpoint pusher does not know the server secret "
                                     "(set TWINKLE_SIGNING_SECRET on the worker nodes, the same as the gateway's)")
-            spec = HubPushSpec.model_validate_json(self.sealer.unseal(blob if isinstance(blob, bytes) else blob.encode()))
+            raw = blob if isinstance(blob, bytes) else blob.encode()
+            spec = HubPushSpec.model_validate_json(self.sealer.unseal(raw, aad=push_id.encode()))
             log.info("pushing %s to %s (%s)", spec.storage_key, spec.repo_id, spec.provider)
             outcome = {"url": (await self.pusher(spec)).url}
         except (HubPushFailed, SealError) as e:

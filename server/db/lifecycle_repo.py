@@ -153,6 +153,14 @@ async def hub_token(s: AsyncSession, tenant_id: str, provider: str) -> HubTokenR
     return await s.get(HubTokenRow, (tenant_id, provider))
 
 
+async def reseal_hub_token(s: AsyncSession, tenant_id: str, provider: str, old: str, new: str) -> bool:
+    """Replaces a token's ciphertext with the same token sealed anew, unless the token was replaced meanwhile."""
+    q = update(HubTokenRow).where(HubTokenRow.tenant_id == tenant_id, HubTokenRow.provider == provider,
+                                  HubTokenRow.ciphertext == old)
+    res = await s.execute(q.values(ciphertext=new))
+    return bool(getattr(res, "rowcount", 0))
+
+
 async def delete_hub_token(s: AsyncSession, tenant_id: str, provider: str) -> bool:
     res = await s.execute(delete(HubTokenRow).where(HubTokenRow.tenant_id == tenant_id, HubTokenRow.provider == provider))
     return bool(getattr(res, "rowcount", 0))

@@ -31,8 +31,13 @@ class HubUnavailable(DomainError):
     status, category = 503, "server"
 
 
+def _token_context(tenant_id: str, provider: str) -> str:
+    """What a stored token is bound to: its ciphertext opens only on its own row."""
+    return f"hub-token/{tenant_id}/{provider}"
+
+
 async def set_token(ctx: Context, tenant_id: str, provider: Provider, token: str) -> HubTokenStatus:
-    sealed = keyring(ctx).encrypt(token)
+    sealed = keyring(ctx).encrypt(token, _token_context(tenant_id, provider))
     async with ctx.db.session() as s:
         row = await lrepo.hub_token(s, tenant_id, provider)
         if row is None:
@@ -106,7 +111,7 @@ async def _run(ctx: Context, push_id: str) -> None:
     try:
         if token_row is None:
             raise HubPushFailed(f"the {row.provider} token was removed before the push started")
-        token = keyring(ctx).decrypt(token_row.ciphertext)
+        token = await _open_token(ctx, token_row)
         endpoint = ctx.settings.hf_endpoint if row.provider == "huggingface" else ctx.settings.modelscope_endpoint
         spec = HubPushSpec(provider=row.provider, endpoint=endpoint, token=token, repo_id=row.repo_id,  # type: ignore[arg-type]
                            private=row.private, storage_key=row.storage_key,
@@ -122,6 +127,18 @@ async def _run(ctx: Context, push_id: str) -> None:
         fresh = await lrepo.push_by_id(s, push_id)
         if fresh is not None:
             fresh.status, fresh.error, fresh.url, fresh.finished_at = status, error, url, utcnow()
+
+
+async def _open_token(ctx: Context, row: HubTokenRow) -> str:
+    """The stored token; one the old scheme sealed is stored sealed anew (unless it was replaced meanwhile)."""
+    context = _token_context(row.tenant_id, row.provider)
+    token, legacy = keyring(ctx).open_token(row.ciphertext, context)
+    if legacy:
+        sealed = keyring(ctx).encrypt(token, context)
+        async with ctx.db.session() as s:
+            if await lrepo.reseal_hub_token(s, row.tenant_id, row.provider, row.ciphertext, sealed):
+                log.info("re-sealed the %s token of tenant %s with the current scheme", row.provider, row.tenant_id)
+    return token
 
 
 def _scrub(message: str, token: str) -> str:
