@@ -10,7 +10,7 @@ Adapters are random rank-`--rank` LoRAs on every layer (Tinker's default targets
 temporary checkpoint store.
 
 Measured (torch, SmolLM2-135M, float32, rank 32, 2 CPU cores shared with other work): ratio_cpu 0.91-0.94 with the
-grouped LoRA path (workers/sampling/lora_apply.py: two batched matmuls per layer for all the batch's adapters),
+grouped LoRA path (workers/engine/multi_lora.py: two batched matmuls per layer for all the batch's adapters),
 0.65-0.78 before it (two matmuls per adapter per layer); 16 rows on CPU are bound by the base model's arithmetic
 and per-op overhead more than by reading the adapters (the bound above would be 0.65). The wall-clock ratio swung
 between 0.4 and 1.2 on the same runs; on a quieter machine (load ~1.7): ratio 0.974, ratio_cpu 0.931.

@@ -1,4 +1,4 @@
-"""The torch sampler's LoRA hooks: each row gets exactly its own adapter's term, whichever way a layer adds it
+"""The torch sampler's routing through a FrozenAdapters set: each row gets exactly its own adapter's term, whichever way a layer adds it
 (grouped batched matmuls or one matmul per row range), with adapters of different ranks and target layers."""
 
 from __future__ import annotations
@@ -7,8 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from workers.engine.multi_lora import LoraLinear
-from workers.sampling.lora_apply import SamplerLora, segments_for
+from workers.engine.multi_lora import FrozenAdapters, LoraLinear, routes_for
 
 IN = 8
 OUT = {"q": 6, "up": 10}
@@ -17,7 +16,7 @@ ADAPTERS = {"a": (2, 0.5, ("q", "up")), "b": (4, 2.0, ("q", "up")), "c": (3, 1.5
 
 
 @pytest.fixture
-def rig() -> tuple[dict[str, LoraLinear], SamplerLora, dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]]]:
+def rig() -> tuple[dict[str, LoraLinear], FrozenAdapters, dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]]]:
     gen = torch.Generator().manual_seed(0)
     layers = {}
     for name, out in OUT.items():
@@ -25,7 +24,7 @@ def rig() -> tuple[dict[str, LoraLinear], SamplerLora, dict[tuple[str, str], tup
         with torch.no_grad():
             base.weight.copy_(torch.randn(out, IN, generator=gen, dtype=torch.float64))
         layers[name] = LoraLinear(base)
-    lora = SamplerLora(layers)
+    lora = FrozenAdapters(layers)
     weights = {}
     for slot, (rank, scale, targets) in ADAPTERS.items():
         for name in targets:
@@ -52,7 +51,7 @@ def test_each_row_gets_its_own_adapter(rig, slots: list[str | None], tokens: int
     x = torch.randn(len(slots), tokens, IN, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     with torch.no_grad():
         for name, layer in layers.items():
-            with lora.plan(segments_for(slots)):
+            with lora.plan(routes_for(slots)):
                 got = layer(x)
             want = layer.base(x)
             for row, slot in enumerate(slots):
@@ -61,4 +60,4 @@ def test_each_row_gets_its_own_adapter(rig, slots: list[str | None], tokens: int
                     want[row] += ADAPTERS[slot][1] * (x[row] @ a.t() @ b.t())
             torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
             assert torch.equal(layer(x), layer.base(x))  # no plan, no adapter
-    assert ("up" in lora._stacks) == grouped
+    assert (layers["up"] in lora.stacks) == grouped

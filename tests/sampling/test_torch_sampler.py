@@ -41,7 +41,7 @@ def test_adapter_slots_are_evicted_and_reloaded(rig: Rig) -> None:
     again = rig.run(sampler, *(spec(PROMPTS[1], w, max_tokens=6) for w in refs))
     for a, b in zip(first, again):
         assert tokens(a.sequences[0]) == tokens(b.sequences[0])
-    held = {slot for per_layer in sampler.lora.weights.values() for slot in per_layer}
+    held = {slot for per_layer, _, _ in sampler.lora.weights.values() for slot in per_layer}
     assert held == {f"sampler:{v}" for v in sampler.slots.loaded()}  # evicted ones left memory
     rig.loop.run_until_complete(sampler.close())
 

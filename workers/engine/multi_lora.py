@@ -1,10 +1,26 @@
-"""Our own LoRA layer around the base model's linear layers, able to run rows of different adapters in one pass.
+"""The one multi-LoRA routing module: our LoRA layer around the base model's linear layers, able to run rows of
+different adapters in one pass, for the trainer's merged passes and the torch sampler's decode steps alike.
 
-Each wrapped layer holds one (A, B, scale) per adapter id. Before a forward pass the engine sets a *routing*:
-a list of contiguous row ranges of the batch and the adapter each range goes through (None = base model only).
-The routing is per thread, so the trainer and the sampler may run forward passes on the shared base model from
-their own threads at the same time without seeing each other's routes.
-Weights keep PEFT's layout and names, so an adapter saves and loads as a PEFT adapter folder.
+Each wrapped layer holds the trainer's adapters, one trainable (A, B, scale) per adapter id (PEFT's layout and
+names, so an adapter saves and loads as a PEFT adapter folder). Before a forward pass a thread sets a *routing*
+(`routed`): contiguous row ranges of the batch (`Route`) and the adapter each range goes through (None = base model
+only), read from the layers' own adapters or from a `FrozenAdapters` set (the sampler's immutable weight versions,
+which never enter the layers' dicts). The routing is per thread, so the trainer and the sampler run forward passes
+on the shared base model from their own threads at the same time without seeing each other's routes.
+
+Each row only ever meets its own adapter's weights; rows of the base model, and rows whose adapter does not target a
+layer, get nothing in that layer. Two ways to add the LoRA term, whoever the caller:
+- grouped (several adapters in the batch): the layer's adapters are stacked, A (n, r, in) and B^T (n, r, out),
+  ranks zero-padded to the largest; the rows are laid out as (n adapters, g rows each), a group shorter than g padded
+  with rows whose scale is 0, so the whole layer costs two batched matmuls whatever the number of adapters:
+  `h = x_grouped @ A^T`, `h *= scale per row`, `y[rows] += h @ B^T`. Padding adds exact zeros. A small decode step
+  is bound by per-op overhead, not arithmetic, so this keeps many adapters per batch nearly as cheap as one. The row
+  layout is built once per routing and shared by the layers with the same set of adapters.
+- per range (one adapter, or a prefill or training batch whose groups are so uneven that padding would more than
+  double the LoRA arithmetic): `y[rows] += (x[rows] @ A^T) @ B^T * scale`, one addmm per row range.
+The one real difference between the callers: the trainer's adapters change at every optimizer step and need
+gradients, so their stacks are rebuilt in each forward (inside the autograd graph); a frozen set's stacks are cached
+per layer for its current set of adapters (one extra copy of their weights, rebuilt when the set changes).
 """
 
 from __future__ import annotations
@@ -13,7 +29,8 @@ import contextlib
 import math
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 from torch import nn
@@ -22,21 +39,27 @@ ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 UNEMBED_MODULES = ("lm_head",)
 
+# one layer's adapters: id -> A (r, in), id -> B (out, r), id -> scale
+LayerAdapters = tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, float]]
+Stacks = dict["LoraLinear", tuple[tuple[str, ...], torch.Tensor, torch.Tensor]]
+
 
 @dataclass(frozen=True)
 class Route:
-    adapter_id: str | None
+    adapter_id: str | None  # None: base model rows
     start: int
     stop: int
 
 
-_routing = threading.local()
-
-
-def current_routes() -> tuple[Route, ...]:
-    """The routing the calling thread set with `routed` (empty: base model only)."""
-    routes: tuple[Route, ...] = getattr(_routing, "routes", ())
-    return routes
+def routes_for(adapter_ids: list[str | None]) -> list[Route]:
+    """Contiguous row ranges per adapter (rows of one adapter should be adjacent, so the ranges are few)."""
+    out: list[Route] = []
+    for i, adapter_id in enumerate(adapter_ids):
+        if out and out[-1].adapter_id == adapter_id:
+            out[-1] = Route(adapter_id, out[-1].start, i + 1)
+        else:
+            out.append(Route(adapter_id, i, i + 1))
+    return out
 
 
 class LoraLinear(nn.Module):
@@ -69,73 +92,147 @@ class LoraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)  # a fresh tensor nothing saves for backward: the LoRA term is added in place
-        routes = current_routes()
-        if not any(r.adapter_id is not None and r.adapter_id in self.lora_A for r in routes):
+        routing: _Routing | None = getattr(_local, "routing", None)
+        return y if routing is None else routing.add_term(self, x, y)
+
+
+class FrozenAdapters:
+    """Adapters held outside the layers' own dicts, immutable once put (the torch sampler's weight versions): routed
+    like the layers' own, under no_grad, with their stacked weights cached."""
+
+    def __init__(self, layers: dict[str, LoraLinear]) -> None:
+        self.layers = layers
+        self.weights: dict[LoraLinear, LayerAdapters] = {layer: ({}, {}, {}) for layer in layers.values()}
+        self.stacks: Stacks = {}  # per layer: the adapters of its last grouped pass and their stacks
+
+    def put(self, adapter_id: str, name: str, a: torch.Tensor, b: torch.Tensor, scale: float) -> None:
+        """A (rank, in) and B (out, rank) of one layer, in PEFT layout."""
+        layer = self.layers[name]
+        w = layer.base.weight
+        a_per_layer, b_per_layer, scales = self.weights[layer]
+        # kept transposed in memory: the per-range matmuls then read A^T and B^T contiguously
+        a_per_layer[adapter_id] = a.to(device=w.device, dtype=w.dtype).t().contiguous().t()
+        b_per_layer[adapter_id] = b.to(device=w.device, dtype=w.dtype).t().contiguous().t()
+        scales[adapter_id] = scale
+        self._forget(adapter_id)
+
+    def drop(self, adapter_id: str) -> None:
+        for per_layer in self.weights.values():
+            for d in per_layer:
+                d.pop(adapter_id, None)
+        self._forget(adapter_id)
+
+    def _forget(self, adapter_id: str) -> None:
+        for layer in [lay for lay, (ids, _, _) in self.stacks.items() if adapter_id in ids]:
+            del self.stacks[layer]
+
+    def plan(self, routes: list[Route]) -> contextlib.AbstractContextManager[None]:
+        """Route the calling thread's forwards inside the block through these adapters."""
+        return routed(self.layers, routes, self)
+
+    def close(self) -> None:
+        self.stacks.clear()
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Rows laid out as (adapters, rows per adapter): `index` (n*g,) the batch row of each place (None: the batch
+    rows are already exactly this layout), `scale` (n, 1, g, 1) each place's adapter scale, 0 on padding."""
+
+    n: int
+    g: int
+    index: torch.Tensor | None
+    scale: torch.Tensor
+    covered: int  # real rows in the layout
+
+
+@dataclass
+class _Routing:
+    """One thread's routing for the forwards of one `routed` block."""
+
+    routes: tuple[Route, ...]  # of an adapter only
+    frozen: FrozenAdapters | None  # None: the layers' own (trainable) adapters
+    layouts: dict[tuple, _Layout] = field(default_factory=dict)
+
+    def add_term(self, layer: LoraLinear, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        a, b, scales = (layer.lora_A, layer.lora_B, layer.scale) if self.frozen is None else self.frozen.weights[layer]
+        present = [r for r in self.routes if r.adapter_id in a]
+        if not present:
             return y
-        if len(routes) == 1 and routes[0].start == 0 and routes[0].stop >= x.shape[0]:
-            aid = routes[0].adapter_id
-            # scaled at rank width, before B: for lm_head that is (rows, r), not (rows, vocab)
-            return y.add_(((x @ self.lora_A[aid].t()) * self.scale[aid]) @ self.lora_B[aid].t())
-        return y.add_(self._routed_delta(x, routes))
+        per_row = y.numel() // (y.shape[0] * y.shape[-1])  # tokens per row
+        ids = cast(tuple[str, ...], tuple(dict.fromkeys(r.adapter_id for r in present)))
+        if len(ids) > 1:
+            layout = self._layout(ids, tuple(scales[i] for i in ids), present, y)
+            if per_row == 1 or layout.n * layout.g <= 2 * layout.covered:
+                stack_a, stack_b = self._stacked(layer, ids, a, b)
+                _grouped(stack_a, stack_b, layout, x, y, per_row)
+                return y
+        flat = y.view(-1, y.shape[-1])
+        for r in present:
+            xs = x[r.start : r.stop].reshape(-1, x.shape[-1])
+            aid: str = r.adapter_id  # type: ignore[assignment]
+            flat[r.start * per_row : r.stop * per_row].addmm_(xs @ a[aid].t(), b[aid].t(), alpha=scales[aid])
+        return y
 
-    def _routed_delta(self, x: torch.Tensor, routes: tuple[Route, ...]) -> torch.Tensor:
-        """The LoRA term of every row through its route's adapter, in two batched matmuls whatever the number of
-        routes: the adapters' A and B are stacked (zero-padded to the largest rank where ranks differ: padding adds
-        exact zeros) and gathered per row, and each row's scale multiplies its rank-width term. Rows of no route, of
-        no adapter or of an adapter that does not target this layer get zero. The per-row index and scale are
-        computed once per routing and shared by every layer (no host sync per layer)."""
-        adapters, index = _row_index(routes, x.shape[0], x.device)
-        present = [a for a in adapters if a in self.lora_A]
-        rank = max(self.lora_A[a].shape[0] for a in present)
-        w = self.base.weight
-        zeros_a = torch.zeros(rank, self.base.in_features, dtype=w.dtype, device=w.device)
-        zeros_b = torch.zeros(self.base.out_features, rank, dtype=w.dtype, device=w.device)
-        stack_a = torch.stack([zeros_a] + [
-            pad_rows(self.lora_A[a], rank) if a in self.lora_A else zeros_a for a in adapters])
-        stack_b = torch.stack([zeros_b] + [
-            pad_cols(self.lora_B[a], rank) if a in self.lora_A else zeros_b for a in adapters])
-        scale = _row_scale(adapters, index, self.scale, w.dtype)
-        rows = x if x.dim() == 3 else x.unsqueeze(1)
-        h = torch.bmm(rows, stack_a.index_select(0, index).transpose(1, 2)) * scale
-        delta = torch.bmm(h, stack_b.index_select(0, index).transpose(1, 2))
-        return delta if x.dim() == 3 else delta.squeeze(1)
+    def _stacked(self, layer: LoraLinear, ids: tuple[str, ...], a: dict[str, torch.Tensor],
+                 b: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's A (n, r, in) and B^T (n, r, out) of `ids`, ranks zero-padded to the largest."""
+        cache = None if self.frozen is None else self.frozen.stacks
+        cached = None if cache is None else cache.get(layer)
+        if cached is not None and cached[0] == ids:
+            return cached[1], cached[2]
+        rank = max(a[i].shape[0] for i in ids)
+        stack_a = torch.stack([pad_rows(a[i], rank) for i in ids])
+        stack_b = torch.stack([pad_rows(b[i].t(), rank) for i in ids])
+        if cache is not None:
+            cache[layer] = (ids, stack_a, stack_b)
+        return stack_a, stack_b
 
-
-def _row_scale(adapters: list[str], index: torch.Tensor, scales: dict[str, float], dtype: torch.dtype) -> torch.Tensor:
-    """(rows, 1, 1): each row's adapter scale (0 for rows of no adapter), cached per routing, dtype and scales."""
-    cache: dict[tuple, torch.Tensor] = getattr(_routing, "scale", {})
-    values = tuple(scales.get(a, 0.0) for a in adapters)
-    key = (index.shape[0], index.device, dtype, values)
-    hit = cache.get(key)
-    if hit is None:
-        table = torch.tensor((0.0, *values), dtype=dtype, device=index.device)
-        hit = cache[key] = table.index_select(0, index).view(-1, 1, 1)
-    return hit
-
-
-def _row_index(routes: tuple[Route, ...], n_rows: int, device: torch.device) -> tuple[list[str], torch.Tensor]:
-    """The distinct adapters of the routing and, per row, 1 + the position of its adapter among them (0: none)."""
-    cache: dict[tuple[int, torch.device], tuple[list[str], torch.Tensor]] = getattr(_routing, "index", {})
-    hit = cache.get((n_rows, device))
-    if hit is not None:
+    def _layout(self, ids: tuple[str, ...], scales: tuple[float, ...], present: list[Route],
+                y: torch.Tensor) -> _Layout:
+        """The routing's row layout for this set of adapters (and scales), built once and shared by every such layer."""
+        rows = y.shape[0]
+        key = (ids, scales, rows, y.dtype)
+        hit = self.layouts.get(key)
+        if hit is not None:
+            return hit
+        members: dict[str, list[int]] = {i: [] for i in ids}
+        for r in present:
+            members[r.adapter_id].extend(range(r.start, min(r.stop, rows)))  # type: ignore[index]
+        g = max(len(m) for m in members.values())
+        index = [row for i in ids for row in members[i] + [members[i][0]] * (g - len(members[i]))]
+        scale = [[sc] * len(members[i]) + [0.0] * (g - len(members[i])) for i, sc in zip(ids, scales)]
+        hit = self.layouts[key] = _Layout(
+            n=len(ids), g=g,
+            index=None if index == list(range(rows)) else torch.tensor(index, device=y.device),
+            scale=torch.tensor(scale, dtype=y.dtype).view(len(ids), 1, g, 1).to(y.device),
+            covered=sum(len(m) for m in members.values()))
         return hit
-    adapters = list(dict.fromkeys(r.adapter_id for r in routes if r.adapter_id is not None))
-    slot = {a: i + 1 for i, a in enumerate(adapters)}
-    per_row = [0] * n_rows
-    for r in routes:
-        if r.adapter_id is not None and r.start < n_rows:
-            per_row[r.start : min(r.stop, n_rows)] = [slot[r.adapter_id]] * (min(r.stop, n_rows) - r.start)
-    hit = cache[(n_rows, device)] = (adapters, torch.tensor(per_row, device=device))
-    return hit
+
+
+def _grouped(a: torch.Tensor, b: torch.Tensor, layout: _Layout, x: torch.Tensor, y: torch.Tensor,
+             per_row: int) -> None:
+    """y += every row's LoRA term, in two batched matmuls over the (adapters, rows per adapter) layout."""
+    n, g, width, out = layout.n, layout.g, x.shape[-1], y.shape[-1]
+    if layout.index is None:
+        xg = x.reshape(n, g * per_row, width)
+    else:
+        xg = x.reshape(y.shape[0], -1).index_select(0, layout.index).view(n, g * per_row, width)
+    h = torch.bmm(a, xg.transpose(1, 2))  # (n, r, g * per_row): A (r, in) streams faster than A^T here
+    h.view(n, -1, g, per_row).mul_(layout.scale)
+    h = h.transpose(1, 2)
+    if layout.index is None:
+        y.view(n, g * per_row, out).baddbmm_(h, b)
+    else:  # padding places point at a real row and add exact zeros to it
+        y.view(y.shape[0], -1).index_add_(0, layout.index, torch.bmm(h, b).view(n * g, per_row * out))
+
+
+_local = threading.local()
 
 
 def pad_rows(t: torch.Tensor, n: int) -> torch.Tensor:
     """`t` with zero rows appended up to `n` rows (a lower rank's A, or B^T, stacked beside a higher rank's)."""
     return t if t.shape[0] == n else torch.nn.functional.pad(t, (0, 0, 0, n - t.shape[0]))
-
-
-def pad_cols(t: torch.Tensor, n: int) -> torch.Tensor:
-    return t if t.shape[1] == n else torch.nn.functional.pad(t, (0, n - t.shape[1]))
 
 
 def target_module_names(train_attn: bool, train_mlp: bool, train_unembed: bool) -> list[str]:
@@ -163,15 +260,17 @@ def wrap_linear_layers(model: nn.Module) -> dict[str, LoraLinear]:
 
 
 @contextlib.contextmanager
-def routed(layers: dict[str, LoraLinear], routes: list[Route]) -> Iterator[None]:
-    """Set the calling thread's row routing for the duration of one forward (and its backward graph build).
+def routed(layers: dict[str, LoraLinear], routes: list[Route], frozen: FrozenAdapters | None = None) -> Iterator[None]:
+    """Set the calling thread's row routing for the duration of one forward (and its backward graph build), through
+    the layers' own adapters or, given `frozen`, through that set's.
 
     `layers` names the model being routed; the routing itself is thread-local, so concurrent forwards on other
     threads (the sampler's, the trainer's) keep their own."""
     del layers  # every LoraLinear reads the thread's routing; kept in the signature for the callers' clarity
-    previous = current_routes(), getattr(_routing, "index", {}), getattr(_routing, "scale", {})
-    _routing.routes, _routing.index, _routing.scale = tuple(routes), {}, {}
+    previous = getattr(_local, "routing", None)
+    active = tuple(r for r in routes if r.adapter_id is not None)
+    _local.routing = _Routing(active, frozen) if active else None
     try:
         yield
     finally:
-        _routing.routes, _routing.index, _routing.scale = previous
+        _local.routing = previous

@@ -1,5 +1,5 @@
-"""The torch sampler's adapter slots: PEFT adapter folders loaded for the sampler's own LoRA hooks (lora_apply.py),
-one slot per immutable weight version.
+"""The torch sampler's adapter slots: PEFT adapter folders loaded as the sampler's own adapters (a multi_lora
+FrozenAdapters set), one slot per immutable weight version.
 
 A slot's id is `sampler:<version>`; its tensors are the sampler's own copies, so a sampler keeps the exact weights
 it loaded while the trainer goes on updating its adapter. Slots in use by a running request are pinned; when more than
@@ -19,9 +19,8 @@ from safetensors.torch import load_file
 
 from api_schemas.jobs import WeightsRef
 from workers.checkpoints.store import CheckpointStore
-from workers.engine.multi_lora import LoraLinear
+from workers.engine.multi_lora import FrozenAdapters, LoraLinear
 from workers.sampling.base import SamplerUserError
-from workers.sampling.lora_apply import SamplerLora
 
 _PREFIX = "base_model.model."
 
@@ -62,7 +61,7 @@ def read_peft_folder(folder: Path, layers: dict[str, LoraLinear]) -> tuple[LoraP
 
 
 class AdapterSlots:
-    def __init__(self, lora: SamplerLora, store: CheckpointStore, capacity: int) -> None:
+    def __init__(self, lora: FrozenAdapters, store: CheckpointStore, capacity: int) -> None:
         self.lora = lora
         self.layers = lora.layers
         self.store = store

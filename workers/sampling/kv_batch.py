@@ -4,7 +4,7 @@ Requests that arrive together are prefilled together, right-padded (causal atten
 the padding after it, so each prompt's logits are a training forward's); each prompt's cache is cut out, repeated for
 its samples, then merged into the running batch by left-padding the shorter cache; each decode step feeds one token
 per row with explicit position ids and the padding masked out. Rows are kept grouped by
-adapter so each adapter serves one contiguous row range (the sampler's LoRA hooks, lora_apply.py) in the shared
+adapter so each adapter serves one contiguous row range (the sampler's routing, multi_lora.py) in the shared
 forward pass.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from workers.sampling.lora_apply import SamplerLora, Segment, segments_for
+from workers.engine.multi_lora import FrozenAdapters, Route, routes_for
 
 
 def _kv(cache: DynamicCache) -> list[Any]:
@@ -30,7 +30,7 @@ def _cache_kwarg(model: torch.nn.Module) -> str:
 
 
 class KVBatch:
-    def __init__(self, model: torch.nn.Module, lora: SamplerLora) -> None:
+    def __init__(self, model: torch.nn.Module, lora: FrozenAdapters) -> None:
         self.model = model
         self.lora = lora
         self._cache_kw = _cache_kwarg(model)
@@ -58,7 +58,7 @@ class KVBatch:
         device = next(self.model.parameters()).device
         ids = torch.tensor([prompt], dtype=torch.long, device=device)
         cache = DynamicCache()
-        with self.lora.plan([Segment(slot, 0, 1)]):
+        with self.lora.plan([Route(slot, 0, 1)]):
             logits = self._forward(input_ids=ids, cache=cache, logits_to_keep=0 if all_logits else 1)
         return cache, logits[0]
 
@@ -77,7 +77,7 @@ class KVBatch:
             ids[row, : len(prompts[i])] = torch.tensor(prompts[i])
             mask[row, : len(prompts[i])] = 1
         cache = DynamicCache()
-        with self.lora.plan(segments_for([slots[i] for i in order])):
+        with self.lora.plan(routes_for([slots[i] for i in order])):
             logits = self._forward(input_ids=ids.to(device), attention_mask=mask.to(device), cache=cache,
                                    logits_to_keep=0)
         out: list[tuple[DynamicCache, torch.Tensor]] = [None] * len(prompts)  # type: ignore[list-item]
@@ -137,7 +137,7 @@ class KVBatch:
         ids = torch.tensor(tokens, dtype=torch.long, device=device)[:, None]
         positions = torch.tensor(self.lengths, dtype=torch.long, device=device)[:, None]
         self.mask = torch.cat([self.mask, torch.ones(self.rows, 1, dtype=torch.long, device=device)], dim=1)
-        with self.lora.plan(segments_for(self.slots)):
+        with self.lora.plan(routes_for(self.slots)):
             logits = self._forward(input_ids=ids, attention_mask=self.mask, position_ids=positions, cache=self.cache,
                                    logits_to_keep=1)
         self.lengths = [n + 1 for n in self.lengths]

@@ -5,9 +5,9 @@ batch between decode steps (continuous batching: a new request does not wait for
 rows in one forward pass per step, and hands each finished request's SampleResponse back to the loop.
 
 Sharing the base model: in embedded mode the sampler runs on the trainer's BaseModel instance (one copy of the
-weights). multi_lora's routing is thread-local (the sampler's thread sets none, so its forwards see the base
-model), and the sampler applies its own adapters through forward hooks active on its engine thread only
-(lora_apply.py), so the trainer's forward/backward and the sampler's decode steps may run concurrently.
+weights). multi_lora's routing is thread-local, and the sampler's thread routes its rows through its own adapters
+(a FrozenAdapters set the trainer's routing never sees), so the trainer's forward/backward and the sampler's decode
+steps may run concurrently.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from transformers import DynamicCache
 from api_schemas.jobs import Sample
 from workers.checkpoints.store import CheckpointStore
 from workers.engine.base_model import BaseModel
+from workers.engine.multi_lora import FrozenAdapters
 from workers.sampling.adapters import AdapterSlots
 from workers.sampling.base import (
     SamplerBackend,
@@ -33,7 +34,6 @@ from workers.sampling.base import (
     eos_token_ids,
 )
 from workers.sampling.kv_batch import KVBatch
-from workers.sampling.lora_apply import SamplerLora
 from workers.sampling.requests import ActiveRequest, Row, prompt_scores
 from workers.sampling.select import Detokenizer, choose_tokens
 
@@ -67,7 +67,7 @@ class TorchSampler(SamplerBackend):
         self.base_vocab = base.vocab_size
         self.eos = eos_token_ids(self.config.model_folder)
         self.detok = Detokenizer(self.config.model_folder)
-        self.lora = SamplerLora(base.layers)
+        self.lora = FrozenAdapters(base.layers)
         self.slots = AdapterSlots(self.lora, self.store, self.config.max_loaded_adapters)
         self.batch = KVBatch(base.model, self.lora)
         self._thread = threading.Thread(target=self._engine, name="twinkle-sampler", daemon=True)
