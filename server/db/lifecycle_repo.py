@@ -9,7 +9,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Sequence
 
-from sqlalchemy import Select, delete, exists, func, or_, select, true, update
+from sqlalchemy import ColumnElement, Select, delete, exists, func, or_, select, true, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from server.db.models import (
@@ -56,7 +56,7 @@ async def tenant_usage(s: AsyncSession, tenant_id: str, exclude_id: int | None =
     if exclude_id is not None:
         q = q.where(CheckpointRow.id != exclude_id)
     count, size = (await s.execute(q)).one()
-    return int(count), int(size)
+    return int(count), int(size or 0)
 
 
 async def storage_key_refs(s: AsyncSession, storage_key: str) -> int:
@@ -75,7 +75,7 @@ async def delete_checkpoint(s: AsyncSession, row: CheckpointRow) -> None:
 
 
 # --- training runs ---
-def _runs_query(tenant_id: str, accessible: bool, project_id: str | None) -> Select[tuple[ModelRow]]:
+def _runs_query(tenant_id: str, accessible: bool, project_id: str | None) -> Select[ModelRow]:
     owned = ModelRow.tenant_id == tenant_id
     if accessible:  # plus other tenants' runs that have a published checkpoint
         published = exists().where(CheckpointRow.model_id == ModelRow.id, CheckpointRow.public.is_(True), READY)
@@ -128,7 +128,7 @@ async def search_sessions(
         q = q.where(or_(SessionRow.created_at < at, (SessionRow.created_at == at) & (SessionRow.id < sid)))
     if project_ids is not None:
         q = q.where(SessionRow.project_id.in_(project_ids))
-    match_name = true() if not name_words else SessionRow.display_name.is_not(None)
+    match_name: ColumnElement[bool] = true() if not name_words else SessionRow.display_name.is_not(None)
     for w in name_words:
         match_name = match_name & SessionRow.display_name.ilike(f"%{w}%")
     if session_id is not None:
@@ -145,7 +145,7 @@ async def session_checkpoint_stats(s: AsyncSession, session_ids: list[str]) -> d
         .where(ModelRow.session_id.in_(session_ids), READY)
         .group_by(ModelRow.session_id)
     )
-    return {sid: (int(n), int(b)) for sid, n, b in (await s.execute(q)).all()}
+    return {sid: (int(n), int(b or 0)) for sid, n, b in (await s.execute(q)).all()}
 
 
 # --- hub tokens, pushes, auto-push ---

@@ -42,7 +42,7 @@ def sample_params(p: SamplingParams, served: ServedModel, settings: Settings) ->
     elif stop and isinstance(stop[0], str):
         strings = tuple(str(s) for s in stop)
     elif stop:
-        ids = tuple(int(t) for t in stop)  # type: ignore[arg-type]
+        ids = tuple(int(t) for t in stop)
         if min(ids) < 0 or max(ids) >= served.vocab_size:
             raise BadRequest(f"stop token ids must lie in [0, {served.vocab_size})")
     if any(not s for s in strings) or len(strings) > MAX_STOP_STRINGS:

@@ -9,12 +9,13 @@ import hashlib
 import hmac
 import secrets
 import stat
+from dataclasses import MISSING, fields
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from api_schemas.hub import HubPushOutcome, HubPushSpec
-from jobqueue.local_queue import LocalQueue
 from jobqueue.sealing import MAGIC, PREFIX, SealError, Sealer, cluster_secret
 from server.config import Settings
 from server.db.database import Database
@@ -129,6 +130,13 @@ def test_sealer_blobs_new_and_legacy() -> None:
     assert a.open(forged).legacy and len(a.unseal(forged)) == len(b"in flight")
 
 
+def _hub_context(**given: Any) -> Context:
+    """A Context for the hub push alone (it reads settings, db, keyring and pusher): the rest left unset."""
+    unset = {f.name: None for f in fields(Context)
+             if f.default is MISSING and f.default_factory is MISSING and f.name not in given}
+    return Context(**unset, **given)
+
+
 def test_legacy_token_in_sql_is_read_and_resealed(tmp_path: Path) -> None:
     settings = Settings(data_dir=tmp_path)
     secret = load_secret(settings)
@@ -141,7 +149,7 @@ def test_legacy_token_in_sql_is_read_and_resealed(tmp_path: Path) -> None:
     async def main() -> None:
         db = Database(settings.sqlalchemy_url)
         await db.create_schema()
-        ctx = Context(settings=settings, db=db, queue=LocalQueue(), models={}, keyring=Keyring(secret), pusher=pusher)
+        ctx = _hub_context(settings=settings, db=db, keyring=Keyring(secret), pusher=pusher)
         try:
             old = _old_token(secret, TOKEN)
             async with db.session() as s:
