@@ -132,7 +132,7 @@ def test_sealer_blobs_new_and_legacy() -> None:
 
 def _hub_context(**given: Any) -> Context:
     """A Context for the hub push alone (it reads settings, db, keyring and pusher): the rest left unset."""
-    unset = {f.name: None for f in fields(Context)
+    unset: dict[str, Any] = {f.name: None for f in fields(Context)
              if f.default is MISSING and f.default_factory is MISSING and f.name not in given}
     return Context(**unset, **given)
 
