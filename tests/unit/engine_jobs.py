@@ -7,14 +7,14 @@ import uuid
 import numpy as np
 
 from api_schemas.jobs import (
-    Array,
-    Datum,
-    ForwardBackwardResult,
-    JobResult,
     AdamW,
+    Array,
     CreateModel,
+    Datum,
     ForwardBackward,
+    ForwardBackwardResult,
     Job,
+    JobResult,
     LoraSpec,
     OptimStep,
 )

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from api_schemas.jobs import LoraSpec
 from workers.engine.base_model import BaseModel
 from workers.engine.multi_lora import target_module_names
-from workers.engine.optim import AdamState
+from workers.engine.optim_state import OptimState
 from workers.engine.paging import DEVICE, Pager, PagingConfig
 
 LORA_ALPHA = 32.0
@@ -38,7 +38,7 @@ class Adapter:
     modules: list[str]  # qualified names of the wrapped layers this adapter targets, sorted
     params: list[torch.Tensor]  # A then B per module, in `modules` order
     grads: list[torch.Tensor | None]
-    optim: AdamState = field(default_factory=AdamState)
+    optim: OptimState = field(default_factory=OptimState)
     tenant_id: str = ""
     tier: str = DEVICE  # device | host | disk (paging.py)
     last_used: int = 0
@@ -142,7 +142,7 @@ class AdapterPool:
         meta = {"lora": adapter.spec.model_dump(), "alpha": adapter.alpha, "base_model": self.base.name}
         (folder / _STATE_FILE).write_text(json.dumps(meta, indent=2))
         if with_optimizer:
-            save_file(adapter.optim.state_dict(), str(folder / _OPTIM_FILE))
+            adapter.optim.save(folder / _OPTIM_FILE)  # records which optimizer's state it is
 
     def load(self, model_id: str, folder: Path, with_optimizer: bool, create: bool, tenant_id: str = "") -> Adapter:
         meta_path = folder / _STATE_FILE
@@ -167,12 +167,13 @@ class AdapterPool:
                 adapter.params[2 * i].copy_(weights[f"base_model.model.{name}.lora_A.weight"])
                 adapter.params[2 * i + 1].copy_(weights[f"base_model.model.{name}.lora_B.weight"])
         adapter.grads = [None] * len(adapter.params)
-        adapter.optim = AdamState()
+        adapter.optim = OptimState()
         if with_optimizer:
             optim_path = folder / _OPTIM_FILE
             if not optim_path.exists():
                 raise AdapterError("checkpoint has no optimizer state (load a weights/ training checkpoint)")
-            adapter.optim.load_state_dict(load_file(str(optim_path)))
+            # AdamW or SGD state; a step of the other optimizer starts its own buffers fresh (optim_state.py)
+            adapter.optim = OptimState.load(optim_path)
         self.settle()
         return adapter
 

@@ -1,6 +1,6 @@
 """Adapter paging: idle adapters leave the accelerator for host memory, then for disk, and come back on use.
 
-An adapter's state is its LoRA weights, its accumulated gradients and its Adam moments. Three tiers:
+An adapter's state is its LoRA weights, its accumulated gradients and its optimizer state. Three tiers:
 - `device`: attached to the base model's LoraLinear layers, on the base model's device (trainable now);
 - `host`: detached from the layers, tensors in CPU memory;
 - `disk`: written to one safetensors file under `spill_dir`, tensors freed.
@@ -51,7 +51,7 @@ class PagingConfig:
 
 def state_bytes(adapter: Adapter) -> int:
     tensors = list(adapter.params) + [g for g in adapter.grads if g is not None]
-    tensors += list(adapter.optim.exp_avg) + list(adapter.optim.exp_avg_sq)
+    tensors += adapter.optim.tensors()
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -77,8 +77,7 @@ def move(adapter: Adapter, device: torch.device) -> None:
 
     adapter.params = [to(p).requires_grad_(True) for p in adapter.params]
     adapter.grads = [None if g is None else to(g) for g in adapter.grads]
-    adapter.optim.exp_avg = [to(m) for m in adapter.optim.exp_avg]
-    adapter.optim.exp_avg_sq = [to(v) for v in adapter.optim.exp_avg_sq]
+    adapter.optim.map_tensors(to)
 
 
 def write_spill(adapter: Adapter, spill_dir: Path) -> Path:
@@ -86,14 +85,13 @@ def write_spill(adapter: Adapter, spill_dir: Path) -> Path:
     path = spill_dir / f"{_UNSAFE.sub('_', adapter.model_id)}-{uuid.uuid4().hex[:8]}.safetensors"
     tensors = {f"p.{i}": p.detach().cpu().contiguous() for i, p in enumerate(adapter.params)}
     tensors |= {f"g.{i}": g.detach().cpu().contiguous() for i, g in enumerate(adapter.grads) if g is not None}
-    tensors |= {f"m.{i}": m.cpu().contiguous() for i, m in enumerate(adapter.optim.exp_avg)}
-    tensors |= {f"v.{i}": v.cpu().contiguous() for i, v in enumerate(adapter.optim.exp_avg_sq)}
-    meta = {"n_params": len(adapter.params), "n_moments": len(adapter.optim.exp_avg), "step": adapter.optim.step}
+    tensors |= {f"o.{k}": t.cpu().contiguous() for k, t in adapter.optim.named_tensors().items()}
+    meta = {"n_params": len(adapter.params), "optim": adapter.optim.metadata()}
     tmp = path.with_suffix(".tmp")
     save_file(tensors, str(tmp), metadata={"twinkle": json.dumps(meta)})
     os.replace(tmp, path)
     adapter.params, adapter.grads = [], []
-    adapter.optim.exp_avg, adapter.optim.exp_avg_sq = [], []
+    adapter.optim.drop_buffers()
     return path
 
 
@@ -103,12 +101,10 @@ def read_spill(adapter: Adapter, path: Path) -> None:
     with safe_open(str(path), framework="pt") as f:
         meta = json.loads((f.metadata() or {})["twinkle"])
     t = load_file(str(path))
-    n, k = int(meta["n_params"]), int(meta["n_moments"])
+    n = int(meta["n_params"])
     adapter.params = [t[f"p.{i}"] for i in range(n)]
     adapter.grads = [t.get(f"g.{i}") for i in range(n)]
-    adapter.optim.exp_avg = [t[f"m.{i}"] for i in range(k)]
-    adapter.optim.exp_avg_sq = [t[f"v.{i}"] for i in range(k)]
-    adapter.optim.step = int(meta["step"])
+    adapter.optim.load_state_dict({k[2:]: v for k, v in t.items() if k.startswith("o.")}, meta["optim"], clone=False)
     path.unlink(missing_ok=True)
 
 
