@@ -2,7 +2,8 @@
 
 The gateway runs no model unless `gateway_runs_worker` is set: it serves the base models that workers registered
 in Redis (`twinkle-server worker`), following the registry as workers come and go, and keeps serving a model
-while its worker restarts (the jobs wait in the stream).
+while its worker restarts (the jobs wait in the stream). It also publishes the tenants' adapters-in-memory quotas
+into Redis for the workers (`publish_resident_limits`; the Ray gateway does the same).
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ import logging
 from fastapi import FastAPI
 
 from api_schemas.models import ServedModel
+from deploy.specs import MIN_QUOTA_REFRESH_SECONDS, spec_from_settings, storage_from_settings
 from jobqueue.redis_queue import RedisQueue
+from jobqueue.resident_limits import publish_resident_limits as publish
 from server.app import Background, create_app
 from server.config import Settings
-from workers.checkpoints.hub import HubPusherPool
-from workers.checkpoints.store import CheckpointStore
+from server.services.tenant_limits import TenantLimits
+from workers.runtime import hub_pusher
 
 log = logging.getLogger(__name__)
 
@@ -38,25 +41,46 @@ def redis_queue(settings: Settings) -> RedisQueue:
 def build_gateway_app(settings: Settings) -> FastAPI:
     queue = redis_queue(settings)
     served: dict[str, ServedModel] = {}
-    background: list[Background] = [lambda: follow_registry(queue, served)]
+    limits = TenantLimits(settings)
+    background: list[Background] = [lambda: follow_registry(queue, served),
+                                    lambda: publish_resident_limits(settings, queue)]
     if settings.gateway_runs_worker:  # the compute side is imported only here
-        from deploy.embedded import build_trainer
-        from deploy.worker import sampling_loop, training_dispatcher
+        from workers.runtime import Runtime
 
-        model, trainer, store = build_trainer(settings)
+        runtime = Runtime.build(spec_from_settings(settings), queue, resident_limit=limits.resident_adapters,
+                                durable=True)
+        model = runtime.served
         served[model.name] = model
-        dispatcher = training_dispatcher(settings, queue, model, trainer, store)
-        run_sampler, _ = sampling_loop(settings, queue, model, trainer, store)
+        (run_dispatcher, _), (run_sampler, _) = runtime.loops()
 
         async def run_trainer() -> None:
             await queue.register_served(model)
-            await dispatcher.run()
+            await run_dispatcher()
 
         background += [run_trainer, run_sampler]
     # hub uploads run on the gateway's own threads; they read the checkpoints from the shared storage
-    pusher = HubPusherPool(CheckpointStore(settings.storage_location, settings.storage_cache_dir),
-                           settings.hub_push_concurrency)
-    return create_app(settings, queue, served, background=background, pusher=pusher)
+    pusher = hub_pusher(storage_from_settings(settings), settings.hub_push_concurrency)
+    return create_app(settings, queue, served, background=background, pusher=pusher, limits=limits)
+
+
+async def publish_resident_limits(settings: Settings, queue: RedisQueue) -> None:
+    """Every few seconds, write the tenants' adapters-in-memory quotas (SQL) into Redis for the workers, which
+    read no SQL (jobqueue/resident_limits.py). Every gateway of a cluster does it; they write the same."""
+    from server.db.database import Database
+    from server.services.tenant_limits import resident_adapter_limits
+
+    interval = max(settings.quota_cache_seconds, MIN_QUOTA_REFRESH_SECONDS)
+    db = Database(settings.sqlalchemy_url)
+    try:
+        while True:
+            try:
+                limits = await resident_adapter_limits(db)
+                await publish(queue.client, queue.keys, settings.quota_max_resident_adapters, limits)
+            except Exception:  # the database or Redis away for a moment: the workers keep the last limits
+                log.warning("publishing the tenants' resident-adapter limits failed; retrying", exc_info=True)
+            await asyncio.sleep(interval)
+    finally:
+        await db.close()
 
 
 async def follow_registry(queue: RedisQueue, served: dict[str, ServedModel]) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from deploy.ray_config import DEFAULT_CONFIG, RayAppConfig, load_config, slug
+from deploy.specs import spec_from_ray, storage_from_settings
 from server.config import Settings
 
 log = logging.getLogger(__name__)
@@ -35,8 +36,7 @@ def worker_options(settings: Settings):  # type: ignore[no-untyped-def]
     return WorkerOptions(
         redis_url=settings.redis_url, redis_prefix=settings.redis_prefix, result_ttl=settings.result_ttl_seconds,
         job_ttl=settings.job_ttl_seconds, lease_ttl=settings.worker_lease_seconds,
-        reclaim_idle=settings.reclaim_idle_seconds, data_dir=str(settings.data_dir),
-        storage_location=settings.storage_location, storage_cache_dir=str(settings.storage_cache_dir),
+        reclaim_idle=settings.reclaim_idle_seconds,
     )
 
 
@@ -63,12 +63,7 @@ def build_application(config: RayAppConfig, settings: Settings):  # type: ignore
     handles: dict[str, Any] = {}
     for m in config.models:
         s = slug(m.name)
-        model = d.ModelOptions(name=m.name, source=m.source, dtype=m.dtype, device=m.device,
-                               snapshot_every=settings.snapshot_every_steps,
-                               gap_timeout=settings.seq_gap_timeout_seconds, sampler=m.sampler.backend,
-                               max_batch_rows=m.sampler.max_batch_rows,
-                               max_loaded_adapters=m.sampler.max_loaded_adapters,
-                               max_lora_rank=settings.max_lora_rank)
+        model = spec_from_ray(config, m, settings)  # the replicas of this model build their runtime from it
         t, sp = m.trainer, m.sampler
         handles[f"trainer_{len(handles)}"] = d.TrainerDeployment.options(
             name=f"trainer-{s}", num_replicas=1, ray_actor_options=t.actor_options(),
@@ -90,7 +85,7 @@ def build_application(config: RayAppConfig, settings: Settings):  # type: ignore
     p = config.pusher
     handles["pusher"] = d.PusherDeployment.options(
         name="hub-pusher", num_replicas=p.replicas, ray_actor_options=p.actor_options(),
-    ).bind(opts, p.concurrency)
+    ).bind(opts, storage_from_settings(settings), p.concurrency)
     return d.Supervisor.options(name="supervisor").bind(**handles)
 
 
@@ -109,8 +104,8 @@ def app_fingerprint(config: RayAppConfig, settings: Settings) -> str:
     """Changes when anything the deployments are built from changes (config, or the settings they receive)."""
     import hashlib
 
-    shared = settings.model_dump_json(include={"snapshot_every_steps", "seq_gap_timeout_seconds"})
-    body = f"{config.fingerprint()}|{worker_options(settings).model_dump_json()}|{shared}"
+    specs = "|".join(spec_from_ray(config, m, settings).model_dump_json() for m in config.models)
+    body = f"{config.fingerprint()}|{worker_options(settings).model_dump_json()}|{specs}"
     return hashlib.sha256(body.encode()).hexdigest()[:16]
 
 
@@ -165,9 +160,10 @@ async def _declare(settings: Settings, config: RayAppConfig, fingerprint: str) -
 
 
 def build_ray_gateway_app(settings: Settings) -> FastAPI:
-    """The gateway of the Ray wiring: Redis queue, served models from the registry, hub pushes to the pusher."""
+    """The gateway of the Ray wiring: Redis queue, served models from the registry, hub pushes to the pusher, and
+    the tenants' resident-adapter quotas published for the trainer replicas."""
     from api_schemas.models import ServedModel
-    from deploy.cluster import follow_registry, redis_queue
+    from deploy.cluster import follow_registry, publish_resident_limits, redis_queue
     from jobqueue.hub_push_queue import RedisHubPusher
     from server.app import create_app
     from server.services.secrets import load_secret
@@ -175,7 +171,8 @@ def build_ray_gateway_app(settings: Settings) -> FastAPI:
     queue = redis_queue(settings)
     served: dict[str, ServedModel] = {}
     pusher = RedisHubPusher(queue.client, queue.keys, load_secret(settings))
-    return create_app(settings, queue, served, background=[lambda: follow_registry(queue, served)], pusher=pusher)
+    background = [lambda: follow_registry(queue, served), lambda: publish_resident_limits(settings, queue)]
+    return create_app(settings, queue, served, background=background, pusher=pusher)
 
 
 def serve_ray(settings: Settings, config: RayAppConfig, address: str | None, deploy_app: bool = True) -> int:

@@ -116,6 +116,10 @@ class Limits(_Strict):
     result_ttl_seconds: float | None = Field(None, ge=300)
     job_ttl_seconds: float | None = Field(None, gt=0)
     max_lora_rank: int | None = Field(None, gt=0)
+    train_token_budget: int | None = Field(None, gt=0)  # padded tokens of one merged pass (the trainer replicas)
+    adapter_device_budget_bytes: int | None = Field(None, ge=0)  # adapter paging (workers/engine/paging.py)
+    adapter_host_budget_bytes: int | None = Field(None, ge=0)
+    quota_max_resident_adapters: int | None = Field(None, gt=0)  # tenants without their own quota
     max_request_bytes: int | None = Field(None, gt=0)
     max_datums_per_request: int | None = Field(None, gt=0)
     sample_default_max_tokens: int | None = Field(None, gt=0)

@@ -1,9 +1,11 @@
 """`twinkle-server worker`: the worker of one base model, consuming the Redis queue (cluster wiring).
 
-The same Trainer, Dispatcher, sampler and SamplerWorker as embedded mode, plus what a separate process needs: it
-registers the served model for the gateways, holds each lane's lease while it runs, rebuilds the adapters of models
-a dead predecessor held (workers/recovery.py), and gives its leases back on SIGTERM/SIGINT. If it ever loses a
-lease (a stall longer than the lease), it exits with status 3 so its supervisor starts a fresh one.
+The compute side is built by workers/runtime.py from the same spec as embedded mode (deploy/specs.py), plus what
+a separate process needs: it registers the served model for the gateways, holds each lane's lease while it runs,
+rebuilds the adapters of models a dead predecessor held (workers/recovery.py), reads the tenants'
+adapters-in-memory quotas that the gateways publish into Redis (jobqueue/resident_limits.py), and gives its leases
+back on SIGTERM/SIGINT. If it ever loses a lease (a stall longer than the lease), it exits with status 3 so its
+supervisor starts a fresh one.
 """
 
 from __future__ import annotations
@@ -13,68 +15,37 @@ import logging
 import signal
 from collections.abc import Awaitable, Callable
 
-from api_schemas.jobs import queue_name
-from api_schemas.models import ServedModel
 from deploy.cluster import redis_queue
 from deploy.loop import run_loop
+from deploy.specs import spec_from_settings
 from jobqueue.base import LeaseLost
 from jobqueue.redis_queue import RedisQueue
+from jobqueue.resident_limits import ResidentLimitFeed
 from server.config import Settings
-from workers.checkpoints.store import CheckpointStore
-from workers.dispatcher import Dispatcher
-from workers.engine.trainer import Trainer
-from workers.recovery import Recovery
+from workers.runtime import LANES, Runtime, WorkerSpec
 
 log = logging.getLogger(__name__)
 
-LANES = ("train", "sample")
+__all__ = ["LANES", "build_cluster_runtime", "main", "serve_worker"]
 
 
-def training_dispatcher(
-    settings: Settings, queue: RedisQueue, served: ServedModel, trainer: Trainer, store: CheckpointStore
-) -> Dispatcher:
-    recovery = Recovery(trainer, store, snapshot_every=settings.snapshot_every_steps)
-    return Dispatcher(
-        queue, queue_name(served.name, "train"), trainer.execute,
-        gap_timeout=settings.seq_gap_timeout_seconds, recovery=recovery, token_budget=settings.train_token_budget,
-    )
+def build_cluster_runtime(spec: WorkerSpec, queue: RedisQueue,
+                          lanes: tuple[str, ...] = LANES) -> tuple[Runtime, ResidentLimitFeed]:
+    """The runtime on a Redis queue (durable: recovery on), with the published per-tenant quotas (blocking)."""
+    feed = ResidentLimitFeed(queue.client, queue.keys, spec.default_resident_adapters, spec.quota_refresh_seconds)
+    return Runtime.build(spec, queue, lanes=lanes, resident_limit=feed, durable=True), feed
 
 
-def sampling_loop(
-    settings: Settings, queue: RedisQueue, served: ServedModel, trainer: Trainer, store: CheckpointStore
-) -> tuple[Callable[[], Awaitable[None]], Callable[[], None]]:
-    from workers.sampling.factory import build_sampler
-    from workers.sampling.worker import SamplerWorker
-
-    backend = build_sampler(
-        settings.sampler, served.name, trainer.base.folder, store, dtype=settings.dtype, device=settings.device,
-        max_batch_rows=settings.sampler_max_batch_rows, max_loaded_adapters=settings.sampler_max_loaded_adapters,
-        max_lora_rank=settings.max_lora_rank,
-        shared_base=trainer.base,
-    )
-    sampler = SamplerWorker(queue, queue_name(served.name, "sample"), backend)
-    return sampler.run, sampler.stop
-
-
-async def serve_worker(
-    settings: Settings, served: ServedModel, trainer: Trainer, store: CheckpointStore, lanes: tuple[str, ...] = LANES
-) -> int:
+async def serve_worker(settings: Settings, lanes: tuple[str, ...] = LANES) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     queue = redis_queue(settings)
-    runs: list[Callable[[], Awaitable[None]]] = []
-    stops: list[Callable[[], None]] = []
-    if "train" in lanes:
-        dispatcher = training_dispatcher(settings, queue, served, trainer, store)
-        runs.append(dispatcher.run)
-        stops.append(dispatcher.stop)
-    if "sample" in lanes:
-        run, halt = sampling_loop(settings, queue, served, trainer, store)
-        runs.append(run)
-        stops.append(halt)
-    tasks = [asyncio.create_task(fn()) for fn in runs]
+    runtime, feed = await asyncio.to_thread(build_cluster_runtime, spec_from_settings(settings), queue, lanes)
+    served = runtime.served
+    loops: list[tuple[Callable[[], Awaitable[None]], Callable[[], None]]] = [*runtime.loops(), (feed.run, feed.stop)]
+    tasks = [asyncio.create_task(run()) for run, _ in loops]
     stopping = asyncio.create_task(stop.wait())
     code = 0
     try:
@@ -87,7 +58,7 @@ async def serve_worker(
         log.error("%s; exiting so that a fresh worker takes over", e)
         code = 3
     finally:
-        for halt in stops:
+        for _, halt in loops:
             halt()
         for t in (*tasks, stopping):
             t.cancel()
@@ -98,7 +69,4 @@ async def serve_worker(
 
 
 def main(settings: Settings, lanes: tuple[str, ...] = LANES) -> int:
-    from deploy.embedded import build_trainer
-
-    served, trainer, store = build_trainer(settings)
-    return run_loop(serve_worker(settings, served, trainer, store, lanes))
+    return run_loop(serve_worker(settings, lanes))

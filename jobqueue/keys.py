@@ -88,6 +88,12 @@ class Keys:
         return f"{self.prefix}:hubpush:result:{push_id}"
 
     @property
+    def resident_limits(self) -> str:
+        """Hash: tenant id -> its adapters-in-memory quota, plus "*" -> the default ("" = unlimited). Rewritten
+        whole by the gateways every few seconds, read by the workers (jobqueue/resident_limits.py)."""
+        return f"{self.prefix}:quota:resident"
+
+    @property
     def done_channel(self) -> str:
         """Pub/sub channel: "j:<job_id>" when a result is stored, "f:<feed>" when a feed gets an event."""
         return f"{self.prefix}:done"

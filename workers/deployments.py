@@ -1,41 +1,44 @@
-"""Ray Serve deployments around the same worker code as the embedded and `twinkle-server worker` wirings.
+"""Ray Serve deployments around the same runtime as the embedded and `twinkle-server worker` wirings
+(workers/runtime.py: each replica builds its lanes from the model's WorkerSpec).
 
-Per base model: one `TrainerDeployment` replica (the base model, its adapter pool, the Dispatcher on the model's
-train lane, with crash recovery: a replacement replica rebuilds adapters from snapshot + replay), a `SampleRouter`
+Per base model: one `TrainerDeployment` replica (the base model, its adapter pool with the spec's paging budgets
+and the tenants' published resident-adapter quotas, the Dispatcher on the model's train lane with the spec's token
+budget, with crash recovery: a replacement replica rebuilds adapters from snapshot + replay), a `SampleRouter`
 (the sample lane's one consumer, which forwards each job to a sampler replica chosen by the sampling session, see
 workers/session_router.py) and `SamplerDeployment` replicas (torch or vLLM backend, scaled independently). One
 `PusherDeployment` uploads checkpoints to model hubs for every gateway (jobqueue/hub_push_queue.py).
 
 Nothing here calls the gateway: jobs come from Redis and results go back to Redis, so the gateway stays a plain
 FastAPI process. Every replica heartbeats into Redis (jobqueue/heartbeats.py) for `/readyz`, and fails Serve's
-health check when its loop died (e.g. a lost lease), so Serve replaces it. deploy/ray_app.py binds these classes
-with options from the YAML config; workers/ never imports deploy/ or server/.
+health check when its loop died (e.g. a lost lease), so Serve replaces it; the trainer's heartbeat also carries
+what its runtime applies (token budget, paging budgets, adapters per tier). deploy/ray_app.py binds these classes
+with the specs deploy/specs.py maps from the settings and the YAML config; workers/ never imports deploy/ or server/.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from api_schemas.jobs import ErrorCategory, Job, JobError, JobResult, queue_name
-from api_schemas.models import ServedModel
 from jobqueue.base import LeaseLost
 from jobqueue.heartbeats import Heartbeats
 from jobqueue.redis_queue import RedisQueue
+from jobqueue.resident_limits import ResidentLimitFeed
+from workers.runtime import Runtime, StorageSpec, WorkerSpec, hub_pusher
 
 log = logging.getLogger("twinkle.deployments")
 
 
 class WorkerOptions(BaseModel):
-    """Connection and storage settings every replica needs (deploy/ray_app.py fills them from the settings)."""
+    """How every replica reaches Redis and reports its heartbeat (deploy/ray_app.py fills them from the settings).
+    What a replica computes with is its WorkerSpec (workers/runtime.py), the same spec every wiring builds from."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -45,27 +48,7 @@ class WorkerOptions(BaseModel):
     job_ttl: float = 86400.0
     lease_ttl: float = 10.0
     reclaim_idle: float = 30.0
-    data_dir: str
-    storage_location: str
-    storage_cache_dir: str
     heartbeat_seconds: float = 2.0
-
-
-class ModelOptions(BaseModel):
-    """One served base model, as the trainer, router and sampler replicas of it need it."""
-
-    model_config = ConfigDict(frozen=True, protected_namespaces=())
-
-    name: str  # what clients pass as base_model
-    source: str  # local folder, hub id or modelscope://
-    dtype: str = "float32"
-    device: str = "cpu"
-    snapshot_every: int = 10
-    gap_timeout: float = 60.0
-    sampler: str = "torch"
-    max_batch_rows: int = 64
-    max_loaded_adapters: int = 32
-    max_lora_rank: int = 128  # the largest rank the gateway accepts (vLLM sizes its LoRA slots for it)
 
 
 class _Replica:
@@ -132,77 +115,52 @@ class _Replica:
             await self.queue.close()
 
 
-def _store(opts: WorkerOptions):  # type: ignore[no-untyped-def]
-    from workers.checkpoints.store import CheckpointStore
+def _build(spec: WorkerSpec, queue: RedisQueue, lanes: tuple[str, ...],
+           resident_limit: ResidentLimitFeed | None = None) -> Runtime:
+    """The replica's share of the runtime (blocking: loads weights), on Ray's CPU allotment."""
+    if "train" in lanes or spec.sampler == "torch":  # torch computes here (vLLM runs its own processes)
+        import torch
 
-    return CheckpointStore(opts.storage_location, Path(opts.storage_cache_dir))
-
-
-def _folder(model: ModelOptions, opts: WorkerOptions) -> Path:
-    from workers.engine.model_assets import resolve_base_model
-
-    return resolve_base_model(model.source, Path(opts.data_dir))
-
-
-def _load_base(model: ModelOptions, opts: WorkerOptions):  # type: ignore[no-untyped-def]
-    """Resolve and load the base model (blocking): the same steps as deploy/embedded.build_trainer."""
-    from workers.engine.base_model import BaseModel as Base
-    from workers.engine.model_assets import tokenizer_id_for
-
-    import torch
-
-    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1") or 1)))  # Ray sets it from num_cpus
-    folder = _folder(model, opts)
-    base = Base(model.name, folder, dtype=model.dtype, device=model.device)
-    cfg = json.loads((folder / "config.json").read_text())
-    served = ServedModel(name=model.name, vocab_size=base.vocab_size, max_context=base.max_context,
-                         tokenizer_id=tokenizer_id_for(folder), arch=(cfg.get("architectures") or [None])[0])
-    return served, base, _store(opts)
+        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1") or 1)))  # Ray sets it from num_cpus
+    return Runtime.build(spec, queue, lanes=lanes, resident_limit=resident_limit, durable=True)
 
 
 @serve.deployment(max_ongoing_requests=8)
 class TrainerDeployment(_Replica):
-    async def __init__(self, opts: WorkerOptions, model: ModelOptions) -> None:
-        from workers.dispatcher import Dispatcher
-        from workers.engine.trainer import Trainer
-        from workers.recovery import Recovery
-
-        await self._start(opts, {"kind": "trainer", "base_model": model.name})
-        served, base, store = await asyncio.to_thread(_load_base, model, opts)
-        trainer = Trainer(base, store)
-        self.dispatcher = Dispatcher(self.queue, queue_name(model.name, "train"), trainer.execute,
-                                     gap_timeout=model.gap_timeout,
-                                     recovery=Recovery(trainer, store, snapshot_every=model.snapshot_every))
-        await self.queue.register_served(served)  # the gateways now list the model
-        self._spawn(self.dispatcher.run, self.dispatcher.stop)
+    async def __init__(self, opts: WorkerOptions, spec: WorkerSpec) -> None:
+        await self._start(opts, {"kind": "trainer", "base_model": spec.base_model})
+        # the tenants' adapters-in-memory quotas, as the gateways publish them (jobqueue/resident_limits.py)
+        feed = ResidentLimitFeed(self.queue.client, self.queue.keys, spec.default_resident_adapters,
+                                 spec.quota_refresh_seconds)
+        await feed.refresh()
+        self.runtime = await asyncio.to_thread(_build, spec, self.queue, ("train",), feed)
+        await self.queue.register_served(self.runtime.served)  # the gateways now list the model
+        for run, stop in (*self.runtime.loops(), (feed.run, feed.stop)):
+            self._spawn(run, stop)
         self._begin_heartbeat()
-        log.info("trainer of %s ready (pid %d)", model.name, os.getpid())
+        log.info("trainer of %s ready (pid %d)", spec.base_model, os.getpid())
+
+    def beat_info(self) -> dict[str, object]:
+        try:
+            return {**self.info, **self.runtime.status()}  # the budgets applied and the adapters per tier
+        except RuntimeError:  # the pool changed while being counted: report it next beat
+            return dict(self.info)
 
 
 @serve.deployment(max_ongoing_requests=64)
 class SamplerDeployment(_Replica):
-    async def __init__(self, opts: WorkerOptions, model: ModelOptions) -> None:
-        from workers.sampling.factory import build_sampler
-        from workers.sampling.worker import SamplerWorker
-
-        await self._start(opts, {"kind": "sampler", "base_model": model.name})
+    async def __init__(self, opts: WorkerOptions, spec: WorkerSpec) -> None:
+        await self._start(opts, {"kind": "sampler", "base_model": spec.base_model})
         self.recent: dict[str, None] = {}  # sampling sessions served lately (insertion-ordered)
-        if model.sampler == "torch":  # the torch sampler runs on a base model this replica loads once
-            _, base, store = await asyncio.to_thread(_load_base, model, opts)
-            folder = base.folder
-        else:  # vLLM loads the weights itself
-            base, store, folder = None, _store(opts), await asyncio.to_thread(_folder, model, opts)
-        backend = build_sampler(
-            model.sampler, model.name, folder, store, dtype=model.dtype, device=model.device,
-            max_batch_rows=model.max_batch_rows, max_loaded_adapters=model.max_loaded_adapters,
-            max_lora_rank=model.max_lora_rank, shared_base=base,
-        )
-        await backend.start()
-        self.backend = backend
+        # the torch sampler runs on a base model this replica loads once; vLLM loads the weights itself
+        self.runtime = await asyncio.to_thread(_build, spec, self.queue, ("sample",))
+        self.backend = self.runtime.sampler
+        assert self.backend is not None and self.runtime.sampling is not None
+        await self.backend.start()
         # The router consumes the queue; this worker object is used for its request handling only.
-        self.worker = SamplerWorker(self.queue, queue_name(model.name, "sample"), backend)
+        self.worker = self.runtime.sampling
         self._begin_heartbeat()
-        log.info("sampler of %s ready (pid %d)", model.name, os.getpid())
+        log.info("sampler of %s ready (pid %d)", spec.base_model, os.getpid())
 
     async def execute(self, job: Job) -> JobResult:
         self.recent.pop(job.model_id, None)  # most recent last: which sessions this replica serves
@@ -223,11 +181,11 @@ class SamplerDeployment(_Replica):
 class SampleRouter(_Replica):
     """The sample lane's consumer: holds the lease of the model's sample stream, forwards, acknowledges."""
 
-    async def __init__(self, opts: WorkerOptions, model: ModelOptions, sampler: DeploymentHandle,
+    async def __init__(self, opts: WorkerOptions, spec: WorkerSpec, sampler: DeploymentHandle,
                        attempts: int = 3) -> None:
-        await self._start(opts, {"kind": "sample-router", "base_model": model.name})
+        await self._start(opts, {"kind": "sample-router", "base_model": spec.base_model})
         self.sampler, self.attempts = sampler, attempts
-        self.queue_name = queue_name(model.name, "sample")
+        self.queue_name = queue_name(spec.base_model, "sample")
         self.inflight: set[asyncio.Task[None]] = set()
         self._spawn(self._consume)
         self._begin_heartbeat()
@@ -267,17 +225,15 @@ class SampleRouter(_Replica):
 class PusherDeployment(_Replica):
     """Uploads checkpoints to the Hugging Face Hub / ModelScope for every gateway (requests come via Redis)."""
 
-    async def __init__(self, opts: WorkerOptions, concurrency: int = 2) -> None:
+    async def __init__(self, opts: WorkerOptions, storage: StorageSpec, concurrency: int = 2) -> None:
         from jobqueue.hub_push_queue import HubPushConsumer
         from jobqueue.sealing import cluster_secret
-        from workers.checkpoints.hub import HubPusherPool
-        from workers.checkpoints.store import CheckpointStore
 
         await self._start(opts, {"kind": "hub-pusher"})
-        secret = cluster_secret(opts.data_dir)  # from this node's env or data dir, never through Ray
+        secret = cluster_secret(storage.data_dir)  # from this node's env or data dir, never through Ray
         if secret is None:
             log.warning("no server secret here (TWINKLE_SIGNING_SECRET): every hub push will fail")
-        self.pool = HubPusherPool(CheckpointStore(opts.storage_location, Path(opts.storage_cache_dir)), concurrency)
+        self.pool = hub_pusher(storage, concurrency)
         self.consumer = HubPushConsumer(self.queue.client, self.queue.keys, secret, self.pool,
                                         name=f"{self.replica}-{os.getpid()}", concurrency=concurrency)
         self._spawn(self.consumer.run, self.consumer.stop)

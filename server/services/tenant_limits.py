@@ -82,6 +82,14 @@ class TenantLimits:
             return await quota_repo.live_models(s, tenant_id, after, exclude)
 
 
+async def resident_adapter_limits(db: Database) -> dict[str, int]:
+    """Every tenant's own adapters-in-memory quota (tenants on the default are left out), for the workers of a
+    cluster (deploy/cluster.py publishes it through jobqueue/resident_limits.py)."""
+    async with db.session() as s:
+        return {t.id: row.max_resident_adapters for t, row in await quota_repo.quotas(s)
+                if row is not None and row.max_resident_adapters is not None}
+
+
 # --- operator side (deploy/tenants_cli.py) ---
 UNSET = object()  # leave a field as it is
 

@@ -1,0 +1,222 @@
+"""The compute side of one base model, built from one spec: the ONE wiring embedded mode, `twinkle-server worker`
+and the Ray Serve deployments all use.
+
+`WorkerSpec` holds every setting the compute side reads (which model, where it lives, paging budgets, the merged
+step's token budget, sampler options, snapshots, hub uploads); deploy/specs.py fills it from the settings or from
+the Ray application config, and nothing else declares those settings again. `Runtime.build` loads what the
+requested lanes need: the train lane gets the base model, a Trainer with the spec's PagingConfig and a Dispatcher
+with its token budget (and crash recovery when the queue keeps durable state); the sample lane gets the sampler
+backend and a SamplerWorker (the torch sampler shares the trainer's weights when both lanes run here).
+
+A tenant's adapters-in-memory limit is its quota, which lives in the gateway's SQL: the wiring passes
+`resident_limit` (tenant -> int | None). Embedded mode passes the gateway's TenantLimits; a separate worker or a
+Ray replica passes a `jobqueue.resident_limits.ResidentLimitFeed`, which reads what the gateways publish into
+Redis, so workers/ never reads SQL or imports server/.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from api_schemas.jobs import queue_name
+from api_schemas.models import ServedModel
+from workers.checkpoints.hub import HubPusherPool
+from workers.checkpoints.store import CheckpointStore
+
+if TYPE_CHECKING:  # the engine and samplers import torch: loaded only when a lane is built
+    from jobqueue.base import WorkerQueue
+    from workers.dispatcher import Dispatcher
+    from workers.engine.base_model import BaseModel as Base
+    from workers.engine.paging import PagingConfig
+    from workers.engine.trainer import Trainer
+    from workers.sampling.base import SamplerBackend
+    from workers.sampling.worker import SamplerWorker
+
+log = logging.getLogger(__name__)
+
+LANES = ("train", "sample")
+ResidentLimit = Callable[[str], int | None]
+Loop = tuple[Callable[[], Awaitable[None]], Callable[[], None]]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", protected_namespaces=())
+
+
+class StorageSpec(_Frozen):
+    """Where a worker keeps files: its data dir (converted models, adapter spills, the server secret) and the
+    checkpoint storage it shares with the gateway (a folder or an fsspec URL, with a local cache)."""
+
+    data_dir: Path
+    location: str
+    cache_dir: Path
+
+    @property
+    def spill_dir(self) -> Path:
+        return self.data_dir / "adapter-spill"
+
+
+class WorkerSpec(_Frozen):
+    """Everything the compute side of one base model is built from (deploy/specs.py maps settings onto it)."""
+
+    base_model: str = Field(min_length=1)  # what clients pass as base_model
+    source: str | None = None  # local folder, hub id or modelscope://...; default: base_model
+    storage: StorageSpec
+    dtype: Literal["float32", "bfloat16", "float16", "float64"] = "float32"
+    device: str = "cpu"
+    # paging (workers/engine/paging.py); None: no limit
+    adapter_device_budget_bytes: int | None = Field(None, ge=0)
+    adapter_host_budget_bytes: int | None = Field(None, ge=0)
+    default_resident_adapters: int | None = Field(None, gt=0)  # a tenant's limit until its quota is known
+    quota_refresh_seconds: float = Field(5.0, gt=0)  # how often a worker re-reads the published quotas
+    # the train lane (workers/dispatcher.py, workers/recovery.py)
+    train_token_budget: int | None = Field(None, gt=0)  # None: the engine's default (4096 CPU, 32768 GPU)
+    seq_gap_timeout: float = Field(60.0, gt=0)
+    snapshot_every_steps: int = Field(10, gt=0)
+    # the sample lane (workers/sampling/)
+    sampler: Literal["torch", "vllm"] = "torch"
+    sampler_max_batch_rows: int = Field(64, gt=0)
+    sampler_max_loaded_adapters: int = Field(32, gt=0)
+    max_lora_rank: int = Field(128, gt=0)  # the largest rank the gateway accepts (vLLM sizes its slots for it)
+    # hub uploads (workers/checkpoints/hub.py)
+    hub_push_concurrency: int = Field(2, gt=0)
+
+    @property
+    def model_source(self) -> str:
+        return self.source or self.base_model
+
+
+def checkpoint_store(storage: StorageSpec) -> CheckpointStore:
+    return CheckpointStore(storage.location, storage.cache_dir)
+
+
+def hub_pusher(storage: StorageSpec, concurrency: int) -> HubPusherPool:
+    """Hub uploads on their own threads, reading checkpoints from the shared storage."""
+    return HubPusherPool(checkpoint_store(storage), concurrency)
+
+
+def model_folder(spec: WorkerSpec) -> Path:
+    """The local HF folder of the base model (converted or downloaded once into the data dir; blocking)."""
+    from workers.engine.model_assets import resolve_base_model
+
+    spec.storage.data_dir.mkdir(parents=True, exist_ok=True)
+    return resolve_base_model(spec.model_source, spec.storage.data_dir)
+
+
+def served_model(name: str, folder: Path) -> ServedModel:
+    """What the gateways list and validate against, read from the folder (no weights loaded)."""
+    from workers.engine.model_assets import tokenizer_id_for
+
+    cfg = json.loads((folder / "config.json").read_text())
+    return ServedModel(name=name, vocab_size=int(cfg["vocab_size"]),
+                       max_context=int(cfg.get("max_position_embeddings", 2048)),
+                       tokenizer_id=tokenizer_id_for(folder), arch=(cfg.get("architectures") or [None])[0])
+
+
+def paging_config(spec: WorkerSpec, resident_limit: ResidentLimit | None = None) -> PagingConfig:
+    from workers.engine.paging import PagingConfig
+
+    default = spec.default_resident_adapters
+    return PagingConfig(
+        device_budget_bytes=spec.adapter_device_budget_bytes, host_budget_bytes=spec.adapter_host_budget_bytes,
+        spill_dir=spec.storage.spill_dir,
+        tenant_resident_limit=resident_limit if resident_limit is not None else (lambda _tenant: default),
+    )
+
+
+@dataclass
+class Runtime:
+    """The built compute side of one base model. `loops()` are the coroutines a wiring runs (with their stops)."""
+
+    spec: WorkerSpec
+    served: ServedModel
+    store: CheckpointStore
+    folder: Path
+    base: Base | None = None  # loaded when a lane needs the weights in this process
+    trainer: Trainer | None = None
+    dispatcher: Dispatcher | None = None
+    sampler: SamplerBackend | None = None
+    sampling: SamplerWorker | None = None
+    _loops: list[Loop] = field(default_factory=list)
+
+    @classmethod
+    def build(cls, spec: WorkerSpec, queue: WorkerQueue, *, lanes: tuple[str, ...] = LANES,
+              resident_limit: ResidentLimit | None = None, durable: bool = False) -> Runtime:
+        """Load and wire the lanes asked for (blocking: loads weights). `resident_limit`: a tenant's
+        adapters-in-memory quota (default: the spec's default for every tenant). `durable`: the queue keeps models'
+        durable state (Redis), so the train lane snapshots and rebuilds adapters (workers/recovery.py); the
+        in-process queue keeps nothing, so snapshots there would be wasted."""
+        if set(lanes) - set(LANES):
+            raise ValueError(f"unknown lanes {sorted(set(lanes) - set(LANES))}; known: {list(LANES)}")
+        store = checkpoint_store(spec.storage)
+        folder = model_folder(spec)
+        rt = cls(spec=spec, served=served_model(spec.base_model, folder), store=store, folder=folder)
+        if "train" in lanes or ("sample" in lanes and spec.sampler == "torch"):
+            from workers.engine.base_model import BaseModel as Base  # noqa: F811 - the runtime import
+
+            log.info("loading base model %s from %s", spec.base_model, folder)
+            rt.base = Base(spec.base_model, folder, dtype=spec.dtype, device=spec.device)
+        if "train" in lanes:
+            rt._build_train(queue, resident_limit, durable)
+        if "sample" in lanes:
+            rt._build_sample(queue)
+        return rt
+
+    def _build_train(self, queue: WorkerQueue, resident_limit: ResidentLimit | None, durable: bool) -> None:
+        from workers.dispatcher import Dispatcher
+        from workers.engine.trainer import Trainer
+        from workers.recovery import Recovery
+
+        spec = self.spec
+        assert self.base is not None
+        trainer = Trainer(self.base, self.store, paging_config(spec, resident_limit))
+        recovery = Recovery(trainer, self.store, snapshot_every=spec.snapshot_every_steps) if durable else None
+        dispatcher = Dispatcher(  # merged multi-tenant steps (the Trainer is a StepEngine)
+            queue, queue_name(spec.base_model, "train"), trainer.execute, gap_timeout=spec.seq_gap_timeout,
+            recovery=recovery, token_budget=spec.train_token_budget,
+        )
+        self.trainer, self.dispatcher = trainer, dispatcher
+        self._loops.append((dispatcher.run, dispatcher.stop))
+
+    def _build_sample(self, queue: WorkerQueue) -> None:
+        from workers.sampling.factory import build_sampler
+        from workers.sampling.worker import SamplerWorker
+
+        spec = self.spec
+        self.sampler = build_sampler(
+            spec.sampler, spec.base_model, self.folder, self.store, dtype=spec.dtype, device=spec.device,
+            max_batch_rows=spec.sampler_max_batch_rows, max_loaded_adapters=spec.sampler_max_loaded_adapters,
+            max_lora_rank=spec.max_lora_rank,
+            shared_base=self.base,  # one copy of the weights (workers/sampling/torch_sampler.py says why it is safe)
+        )
+        self.sampling = SamplerWorker(queue, queue_name(spec.base_model, "sample"), self.sampler)
+        self._loops.append((self.sampling.run, self.sampling.stop))
+
+    def loops(self) -> list[Loop]:
+        """(run, stop) of each lane's consumer loop: the dispatcher, then the sampler worker."""
+        return list(self._loops)
+
+    def hub_pusher(self) -> HubPusherPool:
+        return hub_pusher(self.spec.storage, self.spec.hub_push_concurrency)
+
+    def status(self) -> dict[str, object]:
+        """What the compute side applies (for heartbeats and operators): budgets, and the adapters per tier."""
+        out: dict[str, object] = {"base_model": self.spec.base_model}
+        if self.dispatcher is not None:
+            out["token_budget"] = self.dispatcher.scheduler.token_budget
+        if self.trainer is not None:
+            pool = self.trainer.pool
+            tiers: dict[str, int] = {"device": 0, "host": 0, "disk": 0}
+            for adapter in list(pool.adapters.values()):  # a copy: the compute thread may add one meanwhile
+                tiers[adapter.tier] = tiers.get(adapter.tier, 0) + 1
+            cfg = pool.pager.config
+            out["paging"] = {"device_budget_bytes": cfg.device_budget_bytes,
+                             "host_budget_bytes": cfg.host_budget_bytes, "tiers": tiers}
+        return out
