@@ -8,7 +8,6 @@ category `user`; anything else is `server`. Either way the worker goes on with t
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable
 
@@ -18,17 +17,23 @@ from api_schemas.jobs import (
     Job,
     JobResult,
     LoadWeights,
+    ModelReady,
     OptimStep,
+    OptimStepResult,
+    Output,
+    Released,
     ReleaseModel,
+    SaveResult,
     SaveWeights,
     Skip,
+    Skipped,
 )
 from workers.checkpoints.store import CheckpointStore
 from workers.engine.adapter_pool import AdapterPool
 from workers.engine.base_model import BaseModel
 from workers.engine.errors import UserJobError, failure
 from workers.engine.merged import MergedPass, job_size
-from workers.engine.optim import AdamHyper, adam_step
+from workers.engine.optim import optimizer_step
 from workers.engine.paging import PagingConfig
 from workers.scheduler import JobSize
 
@@ -106,18 +111,18 @@ class Trainer:
 
     def _run_one(self, job: Job) -> JobResult:
         try:
-            media_type, body = self._run(job)
-            return JobResult(job_id=job.job_id, media_type=media_type, body=body)
+            return JobResult(job_id=job.job_id, output=self._run(job))
         except Exception as e:  # noqa: BLE001 - a fault must fail only this job, never the worker
             return failure(job, e)
 
-    def _run(self, job: Job) -> tuple[str, bytes]:
+    def _run(self, job: Job) -> Output:
         p = job.payload
         if isinstance(p, CreateModel):
             self.pool.create(job.model_id, p.lora, tenant_id=job.tenant_id)
-            return _ok({"model_id": job.model_id, "type": "create_model"})
+            return ModelReady(model_id=job.model_id)
         if isinstance(p, OptimStep):
-            return _ok({"metrics": self.optim_step(job.model_id, p)})
+            metrics, lr, step = self.optim_step(job.model_id, p)
+            return OptimStepResult(metrics=metrics, learning_rate=lr, step=step)
         if isinstance(p, SaveWeights):
             return self._save(job.model_id, p)
         if isinstance(p, LoadWeights):
@@ -125,15 +130,15 @@ class Trainer:
             if folder is None:
                 raise UserJobError("checkpoint files not found (deleted or expired)")
             self.pool.load(job.model_id, folder, p.with_optimizer, p.create, tenant_id=job.tenant_id)
-            return _ok({"model_id": job.model_id, "type": "load_weights"})
+            return ModelReady(model_id=job.model_id)
         if isinstance(p, Skip):
-            return _ok({"skipped": p.reason})
+            return Skipped(reason=p.reason)
         if isinstance(p, ReleaseModel):
             self.pool.drop(job.model_id)  # weights, optimizer state, gradients and any paged-out copy
-            return _ok({"released": job.model_id})
+            return Released(model_id=job.model_id)
         raise UserJobError(f"unsupported job kind {p.kind}")
 
-    def _save(self, model_id: str, p: SaveWeights) -> tuple[str, bytes]:
+    def _save(self, model_id: str, p: SaveWeights) -> SaveResult:
         adapter = self.pool.get(model_id)
         with self.store.writing(p.storage_key) as folder:
             self.pool.save(adapter, folder, p.with_optimizer)
@@ -141,24 +146,14 @@ class Trainer:
             if p.max_bytes is not None and written > p.max_bytes:  # raising here discards the folder
                 raise UserJobError(f"storage quota exceeded: the checkpoint needs {written} bytes, "
                                    f"{max(p.max_bytes, 0)} are left; delete checkpoints to free space")
-        key = "save_weights" if p.with_optimizer else "save_weights_for_sampler"
-        if "/external_weights/" in p.tinker_path:
-            key = "save_weights_external"
-        size = self.store.size_bytes(p.storage_key)
-        if p.sampling_session_id is not None:  # ephemeral: the client samples from this session, no path
-            return _ok({"sampling_session_id": p.sampling_session_id, "type": key, "size_bytes": size})
-        return _ok({"path": p.tinker_path, "type": key, "size_bytes": size})
+        return SaveResult(storage_key=p.storage_key, size_bytes=self.store.size_bytes(p.storage_key))
 
-    def optim_step(self, model_id: str, p: OptimStep) -> dict[str, float]:
+    def optim_step(self, model_id: str, p: OptimStep) -> tuple[dict[str, float], float, int]:
+        """(metrics, learning rate used, the model's optimizer steps so far) of one step of the job's optimizer."""
         with self.pool.pinned([model_id]) as (adapter,):  # the first step creates the moments: paging sees them
             try:  # the adapter's gradient buffers go in as they are (None: no loss reached that param, zero)
-                metrics = adam_step(adapter.params, adapter.optim, AdamHyper(**p.adam.model_dump()),
-                                    grads=list(adapter.grads))
+                return optimizer_step(adapter.params, adapter.optim, p.optimizer, p.schedule,
+                                      grads=list(adapter.grads))
             finally:
                 # a failed step (non-finite norm) drops its gradients too: the tenant can go on training
                 adapter.grads = [None] * len(adapter.params)
-        return metrics
-
-
-def _ok(payload: dict) -> tuple[str, bytes]:
-    return "application/json", json.dumps(payload).encode()
