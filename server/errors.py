@@ -1,5 +1,5 @@
 """Typed domain errors; each renders its own JSON answer (status, body, headers) for app.py's handler and the
-per-step routes (server/api/hot_routes.py)."""
+gate in front of the routes (server/api/gate.py)."""
 
 from __future__ import annotations
 

@@ -5,12 +5,16 @@ from __future__ import annotations
 import hashlib
 import secrets
 import time
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from server.db import repositories as repo
 
 KEY_PREFIX = "tml-"
+
+SessionFactory = Callable[[], AbstractAsyncContextManager[AsyncSession]]  # Database.session
 
 
 def generate_key() -> str:
@@ -19,13 +23,6 @@ def generate_key() -> str:
 
 def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
-
-
-async def tenant_for_key(s: AsyncSession, key: str | None) -> str | None:
-    if not key or not key.startswith(KEY_PREFIX) or len(key) > 256:
-        return None
-    row = await repo.active_key_by_hash(s, hash_key(key))
-    return row.tenant_id if row is not None else None
 
 
 class KeyCache:
@@ -39,7 +36,7 @@ class KeyCache:
         self.max_entries = max_entries
         self._entries: dict[str, tuple[str, float]] = {}
 
-    async def tenant(self, s_factory, key: str | None) -> str | None:  # type: ignore[no-untyped-def]
+    async def tenant(self, s_factory: SessionFactory, key: str | None) -> str | None:
         if not key or not key.startswith(KEY_PREFIX) or len(key) > 256:
             return None
         digest = hash_key(key)

@@ -1,0 +1,60 @@
+"""A request's API key -> its tenant: the one authentication of every route (FastAPI's and the fast path's).
+
+A route family accepts the key in a fixed list of headers (`KeyHeaders`): the Tinker routes in `X-API-Key`, the
+OpenAI routes in `Authorization: Bearer tml-...` or `X-API-Key`. Headers are the ASGI scope's raw pairs, so the
+per-step fast path (server/api/gate.py) and FastAPI's dependency (server/api/deps.py) read them the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from server.auth.keys import KeyCache, SessionFactory
+from server.errors import Unauthorized
+
+# Headers whose value is `Bearer <key>`; another value in them is no key (a later accepted header may hold one).
+_BEARER = frozenset({b"authorization", b"twinkle-authorization"})
+
+
+@dataclass(frozen=True)
+class KeyHeaders:
+    """The headers a route accepts the key in, first match wins; `missing` is the 401's detail without one."""
+
+    names: tuple[bytes, ...]  # lower case, as in an ASGI scope
+    missing: str
+
+
+TINKER_KEY = KeyHeaders((b"x-api-key",), "missing X-API-Key header")
+OPENAI_KEY = KeyHeaders((b"authorization", b"x-api-key"),
+                        "missing API key: send Authorization: Bearer tml-... (or X-API-Key)")
+
+
+def api_key(headers: Iterable[tuple[bytes, bytes]], accepted: KeyHeaders) -> str | None:
+    """The key a request carries in the accepted headers ("" when the winning header is empty), else None."""
+    found: dict[bytes, bytes] = {}
+    for name, raw in headers:
+        if name in accepted.names and name not in found:  # the first of repeated headers, as Starlette reads them
+            found[name] = raw
+    for name in accepted.names:
+        given = found.get(name)
+        if given is None:
+            continue
+        value = given.decode("latin-1")
+        if name not in _BEARER:
+            return value
+        if value.lower().startswith("bearer "):
+            return value[len("bearer "):].strip()
+    return None
+
+
+async def authenticate(cache: KeyCache, sessions: SessionFactory, headers: Iterable[tuple[bytes, bytes]],
+                       accepted: KeyHeaders) -> str:
+    """The tenant of the request's key, or Unauthorized (401) for a missing, unknown or revoked one."""
+    key = api_key(headers, accepted)
+    if not key:
+        raise Unauthorized(accepted.missing)
+    tenant_id = await cache.tenant(sessions, key)
+    if tenant_id is None:
+        raise Unauthorized("invalid or revoked API key")
+    return tenant_id
