@@ -7,7 +7,9 @@ different nodes by custom resources), and `twinkle-server serve --backend ray` w
 `/readyz`; runs the stock tinker SDK's SFT + sampling flow; in the `single` scenario it also SIGKILLs the trainer
 replica mid-run and checks that Serve replaced it and the final weights and optimizer state equal an uninterrupted
 run's, checks session affinity over two sampler replicas, and pushes a checkpoint through the hub-pusher deployment
-to a fake hub. Prints one `RESULT {json}` line per check and exits 1 on any failure (with the logs).
+to a fake hub; the `budgets` scenario checks that the trainer replica applies the paging budgets, the token budget
+and the tenants' published quotas (workers/runtime.py). Prints one `RESULT {json}` line per check and exits 1 on
+any failure (with the logs).
 """
 
 from __future__ import annotations
@@ -31,8 +33,17 @@ import httpx
 
 from tests.integration.fake_hub import FakeHub
 from tests.support.ray_cluster import RayCluster
-from tests.support.ray_sdk import Gateway, heartbeats, hub_push, sdk_flow, session_affinity, weights_survive_kill
+from tests.support.ray_sdk import (
+    Gateway,
+    heartbeats,
+    hub_push,
+    runtime_budgets,
+    sdk_flow,
+    session_affinity,
+    weights_survive_kill,
+)
 from tests.support.redis_server import RedisServer
+from tests.support.server import cli
 from tests.support.tiny_model import build_tiny_model
 
 HUB_TOKEN = "hf_ray_test_token_123"
@@ -42,12 +53,18 @@ SCENARIOS = {
     "single": {"head": (2, {"trainer_node": 1, "sampler_node": 1}), "node": None},
     # the trainer on the head, the sampler on a second node: pinned by custom resources
     "two-node": {"head": (1, {"trainer_node": 1}), "node": (1, {"sampler_node": 1})},
+    # one node: the trainer's paging budgets (environment), token budget (YAML) and a tenant's published quota
+    "budgets": {"head": (2, {"trainer_node": 1, "sampler_node": 1}), "node": None},
 }
+BUDGET_TOKENS = 1234  # limits.train_token_budget of the budgets scenario
 
 
 def app_config(model_dir: Path, scenario: str) -> dict:
-    cpus = 0.5 if scenario == "single" else 0.7
+    cpus = 0.7 if scenario == "two-node" else 0.5
     sampler_replicas = 2 if scenario == "single" else 1  # two replicas: sessions must stick to one of them
+    limits = {"worker_lease_seconds": 3, "snapshot_every_steps": 3, "reclaim_idle_seconds": 10}
+    if scenario == "budgets":
+        limits["train_token_budget"] = BUDGET_TOKENS
     fast = {"health_check_period_s": 1, "health_check_timeout_s": 10, "graceful_shutdown_timeout_s": 2}
     return {
         "app_name": "twinkle-test",
@@ -60,7 +77,7 @@ def app_config(model_dir: Path, scenario: str) -> dict:
             "router": {"num_cpus": 0.1},
         }],
         "pusher": {"num_cpus": 0.1, "replicas": 1},
-        "limits": {"worker_lease_seconds": 3, "snapshot_every_steps": 3, "reclaim_idle_seconds": 10},
+        "limits": limits,
     }
 
 
@@ -87,13 +104,22 @@ def run(scenario: str, work: Path) -> list[dict]:
         cfg.write_text(yaml.safe_dump(app_config(model_dir, scenario)))
         env = {"TWINKLE_REDIS_URL": redis.url, "TWINKLE_REDIS_PREFIX": "raytest", "TWINKLE_LONG_POLL_SECONDS": "10",
                "TWINKLE_HF_ENDPOINT": hub.url, **cluster.env}
+        if scenario == "budgets":  # from the gateway's settings to the trainer replica's runtime
+            env.update({"TWINKLE_ADAPTER_DEVICE_BUDGET_BYTES": "0", "TWINKLE_ADAPTER_HOST_BUDGET_BYTES": "0",
+                        "TWINKLE_QUOTA_CACHE_SECONDS": "1"})
         gateway = Gateway(work / "data", cfg, cluster.address, env)
         gateway.start()
+        if scenario == "budgets":
+            cli("tenants", "set-quota", "ray-tenant", "--max-resident-adapters", "1", data_dir=gateway.data_dir,
+                env=gateway.env)
         ready_s = gateway.wait_ready(timeout=420, alive=cluster.check)
         results.append({"check": "ready", "ok": True, "seconds": round(ready_s, 1),
                         "readyz": httpx.get(f"{gateway.base_url}/readyz").json()})
         beats = heartbeats(redis.url, "raytest")
-        results.append(flow := sdk_flow(gateway, str(model_dir)))
+        if scenario == "budgets":
+            results.append(runtime_budgets(gateway, redis.url, "raytest", str(model_dir), BUDGET_TOKENS))
+        else:
+            results.append(flow := sdk_flow(gateway, str(model_dir)))
         if scenario == "two-node":
             results.append(placement(cluster, beats))
         if scenario == "single":

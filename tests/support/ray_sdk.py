@@ -205,3 +205,41 @@ def hub_push(gw: Gateway, hub: Any, token: str, tinker_path: str) -> dict[str, A
           and token not in gw.log())
     return {"check": "hub_push", "ok": ok, "status": body["status"], "error": body.get("error"), "files": files,
             "seconds": round(time.monotonic() - t0, 1)}
+
+
+def runtime_budgets(gw: Gateway, redis_url: str, prefix: str, model: str, token_budget: int) -> dict[str, Any]:
+    """The trainer replica applies what the gateway's settings and the YAML config say (workers/runtime.py): a
+    device budget of 0 and a host budget of 0 (TWINKLE_ADAPTER_*_BUDGET_BYTES) send an idle adapter to the spill dir
+    under the data dir, the scheduler packs up to the config's `limits.train_token_budget`, and the gateway publishes
+    the tenant's resident-adapter quota (set with `tenants set-quota`) into Redis for the trainer."""
+    import redis
+
+    import tinker
+
+    t0 = time.monotonic()
+    with tinker.ServiceClient(base_url=gw.base_url, api_key=gw.api_key) as sc:
+        first = sc.create_lora_training_client(base_model=model, rank=4, seed=1)
+        sft(first, 2)
+        second = sc.create_lora_training_client(base_model=model, rank=4, seed=2)
+        losses = sft(second, 2)  # the first adapter is idle now: paged out, to disk
+    info: dict[str, Any] = {}
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # the next heartbeat reports the tiers after the last step
+        beats = [b for name, bs in heartbeats(redis_url, prefix).items() if name.startswith("trainer-") for b in bs]
+        info = beats[0]["info"] if beats else {}
+        if info.get("paging", {}).get("tiers", {}).get("disk", 0) >= 1:
+            break
+        time.sleep(0.5)
+    spilled = sorted(p.name for p in (gw.data_dir / "adapter-spill").rglob("*.safetensors"))
+    client = redis.Redis.from_url(redis_url)
+    try:
+        published = {k.decode(): v.decode() for k, v in client.hgetall(f"{prefix}:quota:resident").items()}
+    finally:
+        client.close()
+    paging = info.get("paging", {})
+    ok = (info.get("token_budget") == token_budget and paging.get("device_budget_bytes") == 0
+          and paging.get("host_budget_bytes") == 0 and paging.get("tiers", {}).get("disk", 0) >= 1
+          and len(spilled) >= 1 and sorted(v for k, v in published.items() if k != "*") == ["1"]
+          and all(loss == loss for loss in losses))
+    return {"check": "runtime_budgets", "ok": ok, "trainer_info": info, "spilled": spilled, "published": published,
+            "seconds": round(time.monotonic() - t0, 1)}
