@@ -1,17 +1,20 @@
-"""The queue interface both wirings implement: the in-process queue (embedded) and Redis Streams (cluster).
+"""The two faces of the queue, and what crosses them: both wirings (the in-process queue of embedded mode and
+Redis Streams in cluster mode) implement both.
 
-Gateway side: submit / dedup_id / info / wait_result / wait_feed / cancel.
-Worker side: fetch / complete, and the durable state a restarted worker rebuilds its adapters from
-(recovery_state / record_snapshot); the in-process queue has nothing to recover and keeps the defaults.
+GatewayQueue, what the gateway uses: submit / dedup_id / info / wait_result / wait_feed / cancel.
+WorkerQueue, what the workers use: fetch / complete, and the durable state a restarted worker rebuilds its adapters
+from (recovery_state / record_snapshot / forget_model); the in-process queue has nothing to recover and keeps the
+defaults. Both: close, and health (for readiness checks).
 """
 
 from __future__ import annotations
 
-import abc
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from api_schemas.jobs import ErrorCategory, Job, JobError, JobResult, JobState, Skip
+from api_schemas.jobs import ErrorCategory, Job, JobError, JobResult, JobState, ResultKind, Skip
+from jobqueue.heartbeats import DeploymentStatus
 
 CANCELLED = "cancelled by the client"
 
@@ -27,7 +30,7 @@ class LeaseLost(Exception):
 @dataclass(frozen=True)
 class JobInfo:
     tenant_id: str
-    result_type: str
+    result_kind: ResultKind
     state: JobState
 
 
@@ -57,6 +60,15 @@ class RecoveryState:
     ops: list[Job] = field(default_factory=list)  # acknowledged state-changing jobs after the snapshot, seq order
 
 
+@dataclass(frozen=True)
+class Health:
+    """Whether the queue answers (Redis: a PING), and the worker deployments that report through it (cluster)."""
+
+    ok: bool
+    detail: str = ""  # "in-process", "redis", or why not
+    deployments: list[DeploymentStatus] = field(default_factory=list)
+
+
 def cancelled_result(job_id: str) -> JobResult:
     return JobResult(job_id=job_id, error=JobError(category=ErrorCategory.USER, message=CANCELLED))
 
@@ -66,43 +78,49 @@ def as_skip(job: Job) -> Job:
     return job.model_copy(update={"payload": Skip(reason=CANCELLED)})
 
 
-class JobQueue(abc.ABC):
-    @abc.abstractmethod
+
+
+class GatewayQueue(Protocol):
+    """The gateway's side: queue jobs, look them up, wait for their results and their feeds' events."""
+
     async def submit(self, job: Job, dedup_key: str | None = None, feed: str | None = None) -> str:
         """Queue `job` once. A second submit with the same dedup_key returns the first job's id (same payload)
         or raises DuplicateJobMismatch (different payload). With a `feed`, the job's completion is also
         reported as an event of that feed (see wait_feed)."""
 
-    @abc.abstractmethod
     async def dedup_id(self, dedup_key: str) -> str | None:
         """The job id a dedup key was first used for, if it is still remembered."""
 
-    @abc.abstractmethod
     async def info(self, job_id: str) -> JobInfo | None:
-        """Owner, result type and state of a job; None if unknown or expired. (The Redis queue says QUEUED until
+        """Owner, result kind and state of a job; None if unknown or expired. (The Redis queue says QUEUED until
         DONE: a worker's read is what starts a job there, and is not recorded apart.)"""
 
-    @abc.abstractmethod
     async def wait_result(self, job_id: str, timeout: float) -> JobResult | None:
         """The result once it exists, waiting up to `timeout` seconds for a push (never a sleep-poll)."""
 
-    @abc.abstractmethod
     async def wait_feed(self, feed: str, after: int, timeout: float, retrieved: Sequence[str] = ()) -> FeedPage:
         """Events of `feed` after cursor `after`, waiting up to `timeout` seconds for one if there are none.
         Events up to `after` are dropped; `retrieved` are job ids of the feed whose results may be dropped."""
 
-    @abc.abstractmethod
     async def cancel(self, job_id: str) -> bool:
         """Cancel a job that has not started: it fails with CANCELLED and never runs. False if it already ran
         or is running (or is unknown)."""
 
-    @abc.abstractmethod
-    async def fetch(self, queue_name: str, timeout: float) -> list[Job]:
-        """Worker side: the jobs queued under `queue_name` (= Job.queue_name; at least one unless `timeout` passed)."""
+    async def health(self) -> Health:
+        """Whether the queue answers; never raises (a failure is `ok=False` with the reason)."""
 
-    @abc.abstractmethod
+    async def close(self) -> None:
+        """Release the queue's connections and background tasks."""
+
+
+class WorkerQueue(Protocol):
+    """The workers' side: take jobs, store their results, and keep the durable state a successor rebuilds from."""
+
+    async def fetch(self, queue_name: str, timeout: float) -> list[Job]:
+        """The jobs queued under `queue_name` (= Job.queue_name; at least one unless `timeout` passed)."""
+
     async def complete(self, result: JobResult, job: Job | None = None, replay: bool = False) -> None:
-        """Worker side: store a job's result, acknowledge the job and wake its waiters, all at once.
+        """Store a job's result, acknowledge the job and wake its waiters, all at once.
 
         With `job`, the job was executed in its model's seq order (its seq_id is recorded as the model's last);
         `replay` marks it as a state change to replay when the model is rebuilt. A result that already exists
@@ -122,5 +140,8 @@ class JobQueue(abc.ABC):
         keys of the snapshots it recorded, for the caller to delete. Raises LeaseLost without the lease."""
         return []
 
+    async def health(self) -> Health:
+        """Whether the queue answers; never raises."""
+
     async def close(self) -> None:
-        pass
+        """Release the queue's connections, background tasks and (Redis) leases."""

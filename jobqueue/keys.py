@@ -21,13 +21,13 @@ class Keys:
         return f"{self.prefix}:stream:{queue_name}"
 
     def job(self, job_id: str) -> str:
-        """Hash: tenant, rtype, state (queued/done), model, seq, base, feed, entry, queue. Job TTL while queued,
-        result TTL once done."""
+        """Hash: tenant, kind (its ResultKind), state (queued/done), model, seq, base, feed, entry, queue. Job TTL
+        while queued, result TTL once done."""
         return f"{self.prefix}:job:{job_id}"
 
     def result(self, job_id: str) -> str:
-        """Hash: media, body (raw bytes), cat, msg, delivered. Expires `result_ttl` after completion and again
-        `result_ttl` after its first delivery."""
+        """Hash: body (the output's JSON, `JobResult.body`; empty for an error), cat, msg, delivered. Expires
+        `result_ttl` after completion and again `result_ttl` after its first delivery."""
         return f"{self.prefix}:result:{job_id}"
 
     def dedup(self, dedup_key: str) -> str:

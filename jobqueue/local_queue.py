@@ -1,4 +1,5 @@
-"""In-process queue for embedded mode: same interface as the Redis queue, asyncio primitives inside.
+"""In-process queue for embedded mode: both faces of the queue (GatewayQueue and WorkerQueue, jobqueue/base.py)
+as the Redis queue has them, asyncio primitives inside.
 
 Results are kept `result_ttl` seconds after completion, so a client may fetch a result more than once.
 Nothing here survives the process, so there is nothing to recover (the recovery hooks keep their defaults).
@@ -17,8 +18,10 @@ from jobqueue.base import (
     Completion,
     DuplicateJobMismatch,
     FeedPage,
+    GatewayQueue,
+    Health,
     JobInfo,
-    JobQueue,
+    WorkerQueue,
     as_skip,
     cancelled_result,
 )
@@ -42,7 +45,7 @@ class _Feed:
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
 
-class LocalQueue(JobQueue):
+class LocalQueue(GatewayQueue, WorkerQueue):
     def __init__(self, result_ttl: float = 900.0) -> None:
         self._records: dict[str, _Record] = {}
         self._dedup: dict[str, tuple[str, str]] = {}  # dedup key -> (job_id, fingerprint)
@@ -72,7 +75,7 @@ class LocalQueue(JobQueue):
         rec = self._records.get(job_id)
         if rec is None:
             return None
-        return JobInfo(tenant_id=rec.job.tenant_id, result_type=rec.job.result_type, state=rec.state)
+        return JobInfo(tenant_id=rec.job.tenant_id, result_kind=rec.job.result_kind, state=rec.state)
 
     async def wait_result(self, job_id: str, timeout: float) -> JobResult | None:
         rec = self._records.get(job_id)
@@ -151,9 +154,16 @@ class LocalQueue(JobQueue):
         self._finished.append((rec.finished_at, result.job_id))
         if rec.feed is not None:
             f = self._feeds[rec.feed]
-            f.events.append((f.next_cursor, Completion(result.job_id, not result.ok, len(result.body) if result.ok else None)))
+            size = len(result.body) if result.ok else None
+            f.events.append((f.next_cursor, Completion(result.job_id, not result.ok, size)))
             f.next_cursor += 1
             f.changed.set()
+
+    async def health(self) -> Health:
+        return Health(ok=True, detail="in-process")
+
+    async def close(self) -> None:
+        pass
 
     def _expire(self) -> None:
         """Forget results older than the TTL (and their dedup keys): oldest first, so each submit does O(1) work."""

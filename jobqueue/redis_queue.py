@@ -1,10 +1,12 @@
-"""The cluster queue: Redis Streams, one stream per queue (base model + lane), read by a consumer group.
+"""The cluster queue: Redis Streams, one stream per queue (base model + lane), read by a consumer group. It is both
+faces of the queue (GatewayQueue and WorkerQueue, jobqueue/base.py); a process uses the one it needs.
 
 Gateway: `submit` is one atomic script (dedup key SET NX with a payload fingerprint, job hash, XADD); waiters
 are woken by pub/sub pushes (see redis_waiters). Worker: `fetch` reads (or reclaims) entries under the queue's
-lease (a read starts a job: `cancel` succeeds only before it); `complete` stores the result bytes, records the
-replay log and acknowledges, all in one script, so a job's effect is acknowledged exactly when its result is
-stored. Results live `result_ttl` seconds after completion and again after their first delivery. Key names: jobqueue/keys.py; scripts: jobqueue/redis_scripts.py.
+lease (a read starts a job: `cancel` succeeds only before it); `complete` stores the result (its typed output as
+JSON, `JobResult.body`, or its error), records the replay log and acknowledges, all in one script, so a job's effect
+is acknowledged exactly when its result is stored. Results live `result_ttl` seconds after completion and again
+after their first delivery. Key names: jobqueue/keys.py; scripts: jobqueue/redis_scripts.py.
 """
 
 from __future__ import annotations
@@ -19,20 +21,23 @@ from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from api_schemas.jobs import ErrorCategory, Job, JobError, JobResult, JobState
+from api_schemas.jobs import ErrorCategory, Job, JobError, JobResult, JobState, ResultKind
 from api_schemas.models import ServedModel
 from jobqueue import redis_scripts as lua
 from jobqueue.base import (
     Completion,
     DuplicateJobMismatch,
     FeedPage,
+    GatewayQueue,
+    Health,
     JobInfo,
-    JobQueue,
     LeaseLost,
     RecoveryState,
     as_skip,
+    WorkerQueue,
     cancelled_result,
 )
+from jobqueue.heartbeats import Heartbeats
 from jobqueue.keys import GROUP, Keys
 from jobqueue.redis_consumer import StreamConsumer
 from jobqueue.redis_waiters import PushWaiters, Waiter
@@ -42,22 +47,22 @@ log = logging.getLogger(__name__)
 _STATES = {b"queued": JobState.QUEUED, b"running": JobState.RUNNING, b"done": JobState.DONE}  # running: older hashes
 
 
-def _result(job_id: str, media: bytes, body: bytes, cat: bytes, msg: bytes) -> JobResult:
+def _result(job_id: str, body: bytes, cat: bytes, msg: bytes) -> JobResult:
     if cat:
         return JobResult(job_id=job_id, error=JobError(category=ErrorCategory(cat.decode()), message=msg.decode()))
-    return JobResult(job_id=job_id, media_type=media.decode(), body=body)  # type: ignore[arg-type]
+    return JobResult.from_body(job_id, body)
 
 
 def _inline_result(job_id: str, payload: bytes) -> JobResult | None:
-    """The result a wake-up push carried ("media|cat|len(msg)|msg+body", see redis_scripts), None if unreadable."""
+    """The result a wake-up push carried ("cat|len(msg)|msg+body", see redis_scripts), None if unreadable."""
     try:
-        media, cat, n, rest = payload.split(b"|", 3)
-        return _result(job_id, media, rest[int(n):], cat, rest[:int(n)])
-    except ValueError:
+        cat, n, rest = payload.split(b"|", 2)
+        return _result(job_id, rest[int(n):], cat, rest[:int(n)])
+    except ValueError:  # pydantic's ValidationError and UnicodeDecodeError included
         return None
 
 
-class RedisQueue(JobQueue):
+class RedisQueue(GatewayQueue, WorkerQueue):
     def __init__(
         self,
         url: str,
@@ -95,7 +100,7 @@ class RedisQueue(JobQueue):
         k = self.keys
         keys = [k.dedup(dedup_key) if dedup_key else k.job(job.job_id), k.job(job.job_id), k.stream(job.queue_name)]
         args = [job.job_id, job.fingerprint(), "1" if dedup_key else "0", self.job_ttl, self.job_ttl,
-                job.model_dump_json(), job.tenant_id, job.result_type, job.model_id, job.seq_id, job.base_model,
+                job.model_dump_json(), job.tenant_id, job.result_kind.value, job.model_id, job.seq_id, job.base_model,
                 feed or "", job.queue_name]
         code, job_id = await self._s["SUBMIT"](keys=keys, args=args)
         if int(code) == 0:
@@ -107,10 +112,10 @@ class RedisQueue(JobQueue):
         return seen.decode().split("|", 1)[0] if seen else None
 
     async def info(self, job_id: str) -> JobInfo | None:
-        tenant, rtype, state = await self.client.hmget(self.keys.job(job_id), "tenant", "rtype", "state")
+        tenant, kind, state = await self.client.hmget(self.keys.job(job_id), "tenant", "kind", "state")
         if tenant is None:
             return None
-        return JobInfo(tenant_id=tenant.decode(), result_type=rtype.decode(), state=_STATES[state])
+        return JobInfo(tenant_id=tenant.decode(), result_kind=ResultKind(kind.decode()), state=_STATES[state])
 
     async def wait_result(self, job_id: str, timeout: float) -> JobResult | None:
         return await self._wait(f"j:{job_id}", timeout, lambda ev: self._take(job_id, ev))
@@ -130,7 +135,7 @@ class RedisQueue(JobQueue):
         r = await self._s["DELIVER"](keys=keys, args=[self.result_ttl, "1" if record_only else "0"])
         if not r or record_only:
             return None
-        return _result(job_id, r[0], r[1] or b"", r[2] or b"", r[3] or b"")
+        return _result(job_id, r[0] or b"", r[1] or b"", r[2] or b"")
 
     def _background_done(self, task: asyncio.Task[JobResult | None]) -> None:
         self._background.discard(task)
@@ -197,8 +202,8 @@ class RedisQueue(JobQueue):
         assert err is not None
         code = await self._s["CANCEL"](
             keys=[k.result(job_id), k.job(job_id), stream, k.feed(feed_name), k.feed_seq(feed_name)],
-            args=[job_id, entry, skip.model_dump_json(), cancelled.media_type, err.category.value, err.message,
-                  self.result_ttl, k.done_channel, feed_name, self.job_ttl, GROUP, self.inline_result_max])
+            args=[job_id, entry, skip.model_dump_json(), err.category.value, err.message, self.result_ttl,
+                  k.done_channel, feed_name, self.job_ttl, GROUP, self.inline_result_max])
         return int(code) == 1
 
     # --- registry of served base models (workers write, gateways read) ---
@@ -269,7 +274,7 @@ class RedisQueue(JobQueue):
         err = result.error
         keys = [k.result(result.job_id), k.job(result.job_id), k.stream(queue_name), k.oplog(model_id),
                 k.last_seq(model_id), k.lease(queue_name), k.feed(feed), k.feed_seq(feed)]
-        args = [token, result.job_id, entry, result.media_type, result.body, err.category.value if err else "",
+        args = [token, result.job_id, entry, result.body, err.category.value if err else "",
                 err.message if err else "", self.result_ttl, job.seq_id if job else "",
                 job.model_dump_json() if (job and replay) else "", k.done_channel, feed, self.job_ttl, GROUP,
                 self.inline_result_max]
@@ -315,6 +320,15 @@ class RedisQueue(JobQueue):
             raise LeaseLost(f"lease of {base.queue_name} was lost")
         self._queue_of.pop(model_id, None)
         return [key.decode()] if key else []
+
+    async def health(self) -> Health:
+        """A PING, and the worker deployments declared and beating in this Redis (jobqueue/heartbeats.py)."""
+        try:
+            await self.client.ping()
+            deployments = await Heartbeats(self.client, self.keys).status()
+        except Exception as e:  # noqa: BLE001 - any failure means not ready; the reason goes in the answer
+            return Health(ok=False, detail=f"redis: {type(e).__name__}: {e}"[:300])
+        return Health(ok=True, detail="redis", deployments=deployments)
 
     async def release(self) -> None:
         """Give up every lease now (a clean shutdown), so a successor need not wait for it to expire."""

@@ -15,7 +15,7 @@ from starlette.middleware import Middleware
 from api_schemas.hub import HubPusher
 from api_schemas.models import ServedModel
 from api_schemas.tinker.custom_loss import MAX_REQUEST_BYTES as CUSTOM_LOSS_BYTES
-from jobqueue.base import JobQueue
+from jobqueue.base import GatewayQueue
 from jobqueue.storage import CheckpointStorage
 from server.api import health, openai
 from server.api.gate import BodyLimit, Gate, default_limit
@@ -28,7 +28,7 @@ from server.db.database import Database
 from server.errors import DomainError
 from server.services.context import Context
 from server.services.lifecycle import run_maintenance
-from server.services.quotas import QuotaQueue
+from server.services.quotas import Admission
 from server.services.secrets import Keyring, load_secret
 from server.services.tenant_limits import TenantLimits
 
@@ -39,7 +39,7 @@ Background = Callable[[], Awaitable[None]]
 
 def create_app(
     settings: Settings,
-    queue: JobQueue,
+    queue: GatewayQueue,
     served: dict[str, ServedModel],
     background: Sequence[Background] = (),
     pusher: HubPusher | None = None,
@@ -56,9 +56,9 @@ def create_app(
         storage = CheckpointStorage(settings.storage_location, settings.storage_cache_dir)
         quotas = limits or TenantLimits(settings)
         quotas.bind(db)
-        gate = QuotaQueue(queue, quotas)  # requests over a tenant's quota wait here (server/services/quotas.py)
-        app.state.ctx = ctx = Context(settings=settings, db=db, queue=gate, models=served, storage=storage,
-                                      keyring=Keyring(load_secret(settings)), pusher=pusher)
+        admission = Admission(queue, quotas)  # requests over a tenant's quota wait here (server/services/quotas.py)
+        app.state.ctx = ctx = Context(settings=settings, db=db, queue=queue, admission=admission, models=served,
+                                      storage=storage, keyring=Keyring(load_secret(settings)), pusher=pusher)
         tasks = [asyncio.create_task(fn()) for fn in background]
         tasks.append(asyncio.create_task(run_maintenance(ctx)))  # TTL sweep, unsettled saves, auto-push
         for t in tasks:
@@ -69,7 +69,7 @@ def create_app(
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            await gate.close()
+            await admission.close()
             await queue.close()
             await db.close()
 

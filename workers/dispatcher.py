@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol, runtime_checkable
 
 from api_schemas.jobs import ErrorCategory, Job, JobError, JobResult, ReleaseModel
-from jobqueue.base import JobQueue, LeaseLost
+from jobqueue.base import LeaseLost, WorkerQueue
 from workers.recovery import Recovery
 from workers.scheduler import JobSize, Scheduler, Step
 
@@ -51,7 +51,7 @@ def _server_error(job: Job, message: str = "worker error") -> JobResult:
 class Dispatcher:
     def __init__(
         self,
-        queue: JobQueue,
+        queue: WorkerQueue,
         queue_name: str,
         execute: Callable[[Job], JobResult] | StepEngine,
         gap_timeout: float = 30.0,

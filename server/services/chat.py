@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 
-from api_schemas.jobs import Job, Sample, SampleParams, SampleResult, WeightsRef
+from api_schemas.jobs import Sample, SampleParams, SampleResult, WeightsRef
 from api_schemas.models import ServedModel
 from api_schemas.openai import (
     AssistantMessage,
@@ -29,7 +29,7 @@ from api_schemas.openai import (
 )
 from server.db import repositories as repo
 from server.errors import BadRequest, DomainError, NotFound
-from server.services import sampling
+from server.services import jobs, sampling
 from server.services.chat_template import ChatTokenizer, chat_tokenizer
 from server.services.context import Context
 
@@ -96,12 +96,10 @@ def _payload(req: ChatCompletionRequest, p: Prepared, prompt: list[int], max_tok
 
 async def run_sample(ctx: Context, tenant_id: str, base_model: str, payload: Sample) -> SampleResult:
     """Queue one sample job (no client seq_id: nothing to deduplicate) and wait for its result."""
-    job = Job(job_id=str(uuid.uuid4()), tenant_id=tenant_id, base_model=base_model, lane="sample",
-              model_id=f"openai:{tenant_id}", seq_id=0, payload=payload)
-    job_id = await ctx.queue.submit(job)
+    job_id = await jobs.queue_oneshot_sample(ctx, tenant_id=tenant_id, base_model=base_model, payload=payload)
     deadline = time.monotonic() + MAX_WAIT_SECONDS
     while time.monotonic() < deadline:
-        result = await ctx.queue.wait_result(job_id, ctx.settings.long_poll_seconds)
+        result = await jobs.wait_result(ctx, job_id, ctx.settings.long_poll_seconds)
         if result is None:
             continue
         if result.error is not None:

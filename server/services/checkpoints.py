@@ -22,6 +22,7 @@ from server.db import lifecycle_repo as lrepo
 from server.db import repositories as repo
 from server.db.models import CheckpointRow, utcnow
 from server.errors import BadRequest, DomainError, NotFound
+from server.services import jobs
 from server.services.context import Context
 
 log = logging.getLogger(__name__)
@@ -236,10 +237,10 @@ async def settle_pending(ctx: Context, older_than_seconds: float = 5.0) -> None:
     for row in rows:
         if not row.request_id:
             continue
-        info = await ctx.queue.info(row.request_id)
+        info = await jobs.info(ctx, row.request_id)  # a save held by admission is still queued
         if info is not None and info.state != JobState.DONE:
             continue  # still queued or running
-        result = await ctx.queue.wait_result(row.request_id, 0.01) if info is not None else None
+        result = await jobs.wait_result(ctx, row.request_id, 0.01) if info is not None else None
         # without a result (failed, or expired) the files tell whether the save happened
         out = result.output if result is not None and isinstance(result.output, SaveResult) else None
         await record_result(ctx, row.request_id, out)

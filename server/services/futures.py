@@ -19,8 +19,9 @@ from api_schemas.tinker.types import FutureError, TryAgain
 from server.errors import DomainError, NotFound
 from server.services import checkpoints as ckpt
 from server.services import custom_losses
+from server.services import jobs
 from server.services.context import Context
-from server.services.quotas import QuotaQueue
+from server.services.jobs import feed_name
 
 @dataclass(frozen=True)
 class FutureAnswer:
@@ -31,20 +32,17 @@ class FutureAnswer:
 async def retrieve(ctx: Context, tenant_id: str, request_id: str) -> FutureAnswer:
     if custom_losses.is_loss_id(request_id):  # create_custom_loss: done when stored, answered from SQL
         return _json((await custom_losses.answer(ctx, tenant_id, request_id)).model_dump())
-    owner = ctx.recent_future(request_id)  # queued here just now: owner and type known without asking the queue
-    if owner is None:
-        info = await ctx.queue.info(request_id)
-        owner = (info.tenant_id, info.result_type) if info is not None else None
+    owner = await jobs.owner(ctx, request_id)
     if owner is None or owner[0] != tenant_id:
         raise NotFound(f"future {request_id} not found (unknown, expired, or not yours)")
     kind = owner[1]
-    result = await ctx.queue.wait_result(request_id, ctx.settings.long_poll_seconds)
+    result = await jobs.wait_result(ctx, request_id, ctx.settings.long_poll_seconds)
     if result is None:
-        reason = ctx.queue.paused_reason(request_id) if isinstance(ctx.queue, QuotaQueue) else None
+        reason = jobs.paused_reason(ctx, request_id)
         pending = TryAgain(request_id=request_id) if reason is None else TryAgain(
             request_id=request_id, queue_state="paused_rate_limit", queue_state_reason=reason)
         return _json(pending.model_dump(exclude_none=True))
-    ctx.recent_future(request_id, delivered=True)
+    ctx.recent.get(request_id, delivered=True)
     saved = None
     if kind is ResultKind.SAVE:
         out = result.output if isinstance(result.output, SaveResult) else None
@@ -59,12 +57,6 @@ async def retrieve(ctx: Context, tenant_id: str, request_id: str) -> FutureAnswe
 
 def _json(payload: dict) -> FutureAnswer:
     return FutureAnswer("application/json", json.dumps(payload).encode())
-
-
-def feed_name(tenant_id: str, sampling_session_id: str, cloned_sampler_id: int) -> str:
-    """The queue feed a sample job joins (submit(..., feed=...)) so retrieve_futures reports it. The tenant is
-    part of the name: another tenant polling the same session id reads an empty feed."""
-    return f"{tenant_id}:{sampling_session_id}:{cloned_sampler_id}"
 
 
 async def retrieve_many(ctx: Context, tenant_id: str, req: RetrieveFuturesRequest) -> RetrieveFuturesResponse:
@@ -83,7 +75,7 @@ async def retrieve_many(ctx: Context, tenant_id: str, req: RetrieveFuturesReques
 
 
 async def cancel(ctx: Context, tenant_id: str, request_id: str) -> CancelFutureResponse:
-    info = await ctx.queue.info(request_id)
+    info = await jobs.info(ctx, request_id)
     if info is None or info.tenant_id != tenant_id:
         raise NotFound(f"future {request_id} not found (unknown, expired, or not yours)")
-    return CancelFutureResponse(request_id=request_id, cancelled=await ctx.queue.cancel(request_id))
+    return CancelFutureResponse(request_id=request_id, cancelled=await jobs.cancel(ctx, request_id))

@@ -17,6 +17,7 @@ from api_schemas.tinker.types import (
 from server.db import repositories as repo
 from server.db.models import ModelRow
 from server.errors import BadRequest, Gone, NotFound
+from server.services import jobs
 from server.services.context import Context
 from server.services.sessions import live_session
 
@@ -79,9 +80,9 @@ async def create_model(ctx: Context, tenant_id: str, req: CreateModelRequest) ->
             create_request_id=str(uuid.uuid4()), user_metadata=req.user_metadata or {},
         )
         await repo.add(s, row)
-        request_id = await ctx.submit(
-            tenant_id=tenant_id, base_model=served.name, model_id=model_id, seq_id=0,
-            payload=CreateModel(lora=lora_spec(row)), result_type="CreateModelResponse",
+        request_id = await jobs.queue_train(
+            ctx, tenant_id=tenant_id, base_model=served.name, model_id=model_id, seq_id=0,
+            payload=CreateModel(lora=lora_spec(row)),
         )
         row.create_request_id = request_id
     return UntypedFuture(request_id=request_id, model_id=model_id)

@@ -1,16 +1,18 @@
-"""Quotas and backpressure: per-tenant limits applied where jobs enter the queue, without ever losing a request.
+"""Admission: per-tenant quotas applied where the gateway queues its jobs, without ever losing a request.
 
-QuotaQueue wraps the gateway's JobQueue (the workers keep using the plain one). A training job over one of its
+The gateway builds and queues every job in one place (server/services/jobs.py), and that place admits each one
+through `Admission` before it reaches the queue (workers never see admission). A training job over one of its
 tenant's limits (tokens per minute, concurrent requests, live models for a create) is accepted with its request
-id but *held* in the gateway; retrieve_future answers it with `try_again` and `queue_state: paused_rate_limit`
-(and the reason) until it is released into the queue, in arrival order, as soon as its limit allows: a refilled
+id but *held* here; retrieve_future answers it with `try_again` and `queue_state: paused_rate_limit` (and the
+`paused_reason`) until it is released into the queue, in arrival order, as soon as its limit allows: a refilled
 bucket, a finished request, a finished session. A model's line stays in seq_id order: once one of its jobs is
 held, its later ones queue behind it, and a late chunk of a request that already passed (a lower seq_id than
 one already queued) is never held, so the worker never waits on a gap. Sampling requests over a limit get 429
 with Retry-After instead, which the SDK answers by resubmitting the same seq_id.
 
-Held jobs live in this process: a gateway restart loses them (their futures then answer 404), and with several
-gateways each applies the limits to the requests it receives.
+Only Admission knows the jobs it holds, so the gateway looks its jobs up through it (info, wait_result, cancel,
+dedup_id: a held job's answer, else the queue's). Held jobs live in this process: a gateway restart loses them
+(their futures then answer 404), and with several gateways each applies the limits to the requests it receives.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ import itertools
 import math
 import time
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from api_schemas.jobs import (
@@ -32,15 +33,7 @@ from api_schemas.jobs import (
     LoadWeights,
     Sample,
 )
-from api_schemas.tinker.proto import parse_forward_backward
-from jobqueue.base import (
-    DuplicateJobMismatch,
-    FeedPage,
-    JobInfo,
-    JobQueue,
-    RecoveryState,
-    cancelled_result,
-)
+from jobqueue.base import DuplicateJobMismatch, GatewayQueue, JobInfo, cancelled_result
 from server.auth.rate_limits import TokenBucket
 from server.errors import DomainError
 from server.services.tenant_limits import Limits, TenantLimits
@@ -58,11 +51,10 @@ class RateLimited(DomainError):
 
 
 def job_tokens(job: Job) -> int:
-    """Tokens a job charges to its tenant's tokens-per-minute budget."""
+    """Tokens a job charges to its tenant's tokens-per-minute budget (a batch's count, made when it was built)."""
     p = job.payload
     if isinstance(p, ForwardBackward):
-        msg = parse_forward_backward(p.request_pb)
-        return sum(len(c.encoded_text.tokens) // 4 for d in msg.data for c in d.model_input)
+        return p.tokens
     if isinstance(p, Sample):
         return len(p.prompt_tokens) + p.params.max_tokens * p.num_samples
     return 0
@@ -86,6 +78,7 @@ class _Held:
     feed: str | None
     tokens: int
     reason: str
+    arrival: int  # release order across models
     released: asyncio.Event = field(default_factory=asyncio.Event)
     cancelled: bool = False
 
@@ -96,9 +89,9 @@ class _Tenant:
     inflight: set[str] = field(default_factory=set)  # passed jobs not known to be done (with a concurrency limit)
 
 
-class QuotaQueue(JobQueue):
-    def __init__(self, inner: JobQueue, limits: TenantLimits) -> None:
-        self.inner = inner
+class Admission:
+    def __init__(self, queue: GatewayQueue, limits: TenantLimits) -> None:
+        self.queue = queue
         self.limits = limits
         self._held: dict[str, _Held] = {}  # job id -> held job
         self._by_key: dict[str, str] = {}  # dedup key -> held job id
@@ -106,13 +99,13 @@ class QuotaQueue(JobQueue):
         self._passed_seq: dict[str, int] = {}  # model id -> highest seq_id passed to the queue
         self._tenants: dict[str, _Tenant] = {}
         self._order = itertools.count()
-        self._arrival: dict[str, int] = {}  # held job id -> arrival number (release order across models)
         self._kick = asyncio.Event()
         self._releaser: asyncio.Task[None] | None = None
         self._waiting_for_slots: set[str] = set()  # tenants whose held head waits for one of its requests to end
 
-    # --- gateway side ---
-    async def submit(self, job: Job, dedup_key: str | None = None, feed: str | None = None) -> str:
+    async def admit(self, job: Job, dedup_key: str | None = None, feed: str | None = None) -> str:
+        """Pass `job` to the queue or hold it (its id either way; a retry's dedup_key gives the first job's id).
+        Raises RateLimited for a sample over a limit, DuplicateJobMismatch as the queue's submit does."""
         if dedup_key is not None:
             held_id = self._by_key.get(dedup_key)
             if held_id is not None:
@@ -124,9 +117,9 @@ class QuotaQueue(JobQueue):
         # idempotent itself: the look-up (one more round trip to Redis) is only needed when a retry could be
         # held or charged again.
         if dedup_key is not None and (_limited(limits) or self._lines.get(job.model_id)):
-            if await self.inner.dedup_id(dedup_key) is not None:  # a retry of a queued job: the queue answers
-                return await self.inner.submit(job, dedup_key, feed)
-        tokens = job_tokens(job) if limits.tokens_per_minute is not None else 0  # parsing a request costs
+            if await self.queue.dedup_id(dedup_key) is not None:  # a retry of a queued job: the queue answers
+                return await self.queue.submit(job, dedup_key, feed)
+        tokens = job_tokens(job)
         if job.lane == "sample":
             wait, reason = await self._verdict(job, limits, tokens)
             if wait is not None:
@@ -137,8 +130,8 @@ class QuotaQueue(JobQueue):
             reason = "behind this model's earlier requests" if self._lines.get(job.model_id) else ""
             if not reason:
                 reason = (await self._verdict(job, limits, tokens))[1]
-            if reason:  # charged when released, under the limits of that time: count its tokens now
-                return self._hold(_Held(job, dedup_key, feed, job_tokens(job), reason))
+            if reason:  # charged when released, under the limits of that time
+                return self._hold(_Held(job, dedup_key, feed, tokens, reason, next(self._order)))
         return await self._pass(job, dedup_key, feed, tokens, limits)
 
     def paused_reason(self, job_id: str) -> str | None:
@@ -146,14 +139,15 @@ class QuotaQueue(JobQueue):
         held = self._held.get(job_id)
         return held.reason if held is not None else None
 
+    # --- looking up the gateway's jobs: the held ones answered here, the rest by the queue ---
     async def dedup_id(self, dedup_key: str) -> str | None:
-        return self._by_key.get(dedup_key) or await self.inner.dedup_id(dedup_key)
+        return self._by_key.get(dedup_key) or await self.queue.dedup_id(dedup_key)
 
     async def info(self, job_id: str) -> JobInfo | None:
         held = self._held.get(job_id)
         if held is not None:
-            return JobInfo(tenant_id=held.job.tenant_id, result_type=held.job.result_type, state=JobState.QUEUED)
-        return await self.inner.info(job_id)
+            return JobInfo(tenant_id=held.job.tenant_id, result_kind=held.job.result_kind, state=JobState.QUEUED)
+        return await self.queue.info(job_id)
 
     async def wait_result(self, job_id: str, timeout: float) -> JobResult | None:
         held = self._held.get(job_id)
@@ -166,34 +160,18 @@ class QuotaQueue(JobQueue):
             except TimeoutError:
                 return None
             timeout = max(0.0, timeout - (time.monotonic() - start))
-        return await self.inner.wait_result(job_id, timeout)
+        return await self.queue.wait_result(job_id, timeout)
 
     async def cancel(self, job_id: str) -> bool:
         held = self._held.get(job_id)
         if held is None:
-            return await self.inner.cancel(job_id)
+            return await self.queue.cancel(job_id)
         held.cancelled = True  # it still holds its seq_id: released in order, then cancelled in the queue
         self._kick.set()
         return True
 
-    async def wait_feed(self, feed: str, after: int, timeout: float, retrieved: Sequence[str] = ()) -> FeedPage:
-        return await self.inner.wait_feed(feed, after, timeout, retrieved)
-
-    # --- worker side and durable state: the wrapped queue's ---
-    async def fetch(self, queue_name: str, timeout: float) -> list[Job]:
-        return await self.inner.fetch(queue_name, timeout)
-
-    async def complete(self, result: JobResult, job: Job | None = None, replay: bool = False) -> None:
-        await self.inner.complete(result, job, replay)
-
-    async def recovery_state(self, model_id: str) -> RecoveryState | None:
-        return await self.inner.recovery_state(model_id)
-
-    async def record_snapshot(self, model_id: str, seq_id: int, storage_key: str) -> str | None:
-        return await self.inner.record_snapshot(model_id, seq_id, storage_key)
-
     async def close(self) -> None:
-        """Stops releasing; the wrapped queue belongs to whoever made it and is not closed here."""
+        """Stops releasing; the queue belongs to whoever made it and is not closed here."""
         if self._releaser is not None:
             self._releaser.cancel()
             await asyncio.gather(self._releaser, return_exceptions=True)
@@ -221,7 +199,7 @@ class QuotaQueue(JobQueue):
         if limits.tokens_per_minute is not None and tokens:
             now = time.monotonic()
             self._bucket(job.tenant_id, limits.tokens_per_minute, now).take(tokens, now)
-        job_id = await self.inner.submit(job, dedup_key, feed)
+        job_id = await self.queue.submit(job, dedup_key, feed)
         if limits.max_concurrent_requests is not None:
             self._tenants.setdefault(job.tenant_id, _Tenant()).inflight.add(job_id)
         if job.lane == "train":
@@ -240,7 +218,7 @@ class QuotaQueue(JobQueue):
         t = self._tenants.setdefault(tenant_id, _Tenant())
         if len(t.inflight) >= limit:  # only then is it worth asking which of them finished
             for job_id in list(t.inflight):
-                info = await self.inner.info(job_id)
+                info = await self.queue.info(job_id)
                 if info is None or info.state is JobState.DONE:
                     t.inflight.discard(job_id)
         return len(t.inflight)
@@ -249,7 +227,6 @@ class QuotaQueue(JobQueue):
     def _hold(self, held: _Held) -> str:
         job = held.job
         self._held[job.job_id] = held
-        self._arrival[job.job_id] = next(self._order)
         if held.dedup_key is not None:
             self._by_key[held.dedup_key] = job.job_id
         self._lines.setdefault(job.model_id, deque()).append(job.job_id)
@@ -269,7 +246,7 @@ class QuotaQueue(JobQueue):
                 waits.append(asyncio.create_task(asyncio.sleep(wake)))
             for tenant in self._waiting_for_slots:  # a finished request frees a slot: wake on it, not on a timer
                 for job_id in list(self._tenants.get(tenant, _Tenant()).inflight)[:64]:
-                    waits.append(asyncio.create_task(self.inner.wait_result(job_id, RECHECK_SECONDS * 15)))
+                    waits.append(asyncio.create_task(self.queue.wait_result(job_id, RECHECK_SECONDS * 15)))
             _, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
             for task in pending:
                 task.cancel()
@@ -279,7 +256,7 @@ class QuotaQueue(JobQueue):
         """Pass every held job whose limits now allow it (heads of the models' lines, oldest first)."""
         wake: float | None = None
         self._waiting_for_slots = set()
-        for model in sorted(self._lines, key=lambda m: self._arrival[self._lines[m][0]]):
+        for model in sorted(self._lines, key=lambda m: self._held[self._lines[m][0]].arrival):
             line = self._lines[model]
             while line:
                 held = self._held[line[0]]
@@ -296,7 +273,7 @@ class QuotaQueue(JobQueue):
                 line.popleft()
                 await self._pass(held.job, held.dedup_key, held.feed, held.tokens, limits)
                 if held.cancelled:
-                    await self.inner.cancel(held.job.job_id)
+                    await self.queue.cancel(held.job.job_id)
                 self._forget(held)
             if not line:
                 del self._lines[model]
@@ -305,7 +282,6 @@ class QuotaQueue(JobQueue):
     def _forget(self, held: _Held) -> None:
         job_id = held.job.job_id
         self._held.pop(job_id, None)
-        self._arrival.pop(job_id, None)
         if held.dedup_key is not None and self._by_key.get(held.dedup_key) == job_id:
             del self._by_key[held.dedup_key]
         held.released.set()

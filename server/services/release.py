@@ -17,6 +17,7 @@ from datetime import timedelta
 from api_schemas.jobs import RELEASE_SEQ, ReleaseModel
 from server.db import repositories as repo
 from server.db.models import utcnow
+from server.services import jobs
 from server.services.context import Context
 
 log = logging.getLogger(__name__)
@@ -35,8 +36,8 @@ async def release_ended_models(ctx: Context) -> int:
         try:
             # Queued first (idempotent: the same dedup key and payload every round), marked second: a gateway that
             # dies in between queues it again next round and gets the same job back.
-            await ctx.submit(tenant_id=row.tenant_id, base_model=row.base_model, model_id=row.id,
-                             seq_id=RELEASE_SEQ, payload=ReleaseModel(reason=REASON), result_type="ReleaseModel")
+            await jobs.queue_train(ctx, tenant_id=row.tenant_id, base_model=row.base_model, model_id=row.id,
+                                   seq_id=RELEASE_SEQ, payload=ReleaseModel(reason=REASON))
             async with ctx.db.session() as s:
                 await repo.mark_released(s, row.id, utcnow())
         except Exception:  # one model's failure must not stop the others

@@ -11,10 +11,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import Awaitable, Callable
 from datetime import timedelta
 
-from api_schemas.jobs import Job, Payload, SaveWeights, WeightsRef
+from api_schemas.jobs import Payload, Sample, SaveWeights, WeightsRef
 from api_schemas.tinker.sampling import (
     CreateSamplingSessionRequest,
     GetSamplerResponse,
@@ -22,25 +21,20 @@ from api_schemas.tinker.sampling import (
     SampleRequest,
 )
 from api_schemas.tinker.types import SaveWeightsForSamplerRequest, UntypedFuture
-from jobqueue.base import DuplicateJobMismatch
 from server.db import repositories as repo
 from server.db.models import CheckpointRow, ModelRow, SamplingSessionRow, utcnow
 from server.errors import BadRequest, NotFound
 from server.services import checkpoints as ckpt
+from server.services import jobs
 from server.services.context import Context
-from server.services.futures import feed_name
 from server.services.sample_validation import sample_payload
 from server.services.sessions import live_session
 
-CLONE_BLOCK = 1_000_000_000  # the SDK numbers a cloned client's seq_ids in its own block of this size
 # Ephemeral weights kept per training run while its session lives: an RL loop saves every step, and a sampler a few
 # steps stale (async RL) must keep working; older ones are reclaimed (their clients then get 404).
 EPHEMERAL_KEEP_PER_RUN = 16
 
 log = logging.getLogger(__name__)
-
-QueueOp = Callable[[Context, str, ModelRow, int, Callable[[], Awaitable[Payload]], str], Awaitable[UntypedFuture]]
-
 
 def sampling_session_id_for(session_id: str, seq_id: int) -> str:
     return f"{session_id}:sample:{seq_id}"
@@ -114,11 +108,11 @@ async def get_sampler(ctx: Context, tenant_id: str, sampling_session_id: str) ->
     return GetSamplerResponse(sampler_id=row.id, base_model=row.base_model, model_path=row.model_path)
 
 
-async def save_ephemeral(ctx: Context, tenant_id: str, model: ModelRow, req: SaveWeightsForSamplerRequest,
-                         queue_op: QueueOp) -> UntypedFuture:
+async def save_ephemeral(ctx: Context, tenant_id: str, model: ModelRow,
+                         req: SaveWeightsForSamplerRequest) -> UntypedFuture:
     """save_weights_for_sampler without a name: save under a fresh key and open a sampling session on it.
     The save runs in the model's seq_id order like any training operation; its result names the session."""
-    first = await ctx.queue.dedup_id(f"{model.id}#{req.seq_id}")
+    first = await jobs.request_at(ctx, model.id, req.seq_id)
     if first is not None:  # a retry (the SDK draws a new sampling_session_seq_id): the first save's future
         return UntypedFuture(request_id=first, model_id=model.id)
 
@@ -139,7 +133,7 @@ async def save_ephemeral(ctx: Context, tenant_id: str, model: ModelRow, req: Sav
             ))
         return SaveWeights(storage_key=key, with_optimizer=False)
 
-    return await queue_op(ctx, tenant_id, model, req.seq_id, build, "SaveWeightsForSamplerResponse")
+    return await jobs.queue_op(ctx, tenant_id, model, req.seq_id, build)
 
 
 async def asample(ctx: Context, tenant_id: str, req: SampleRequest) -> SampleFuture:
@@ -168,18 +162,11 @@ async def check_still_there(ctx: Context, row: SamplingSessionRow) -> None:
 
 
 async def submit_sample(ctx: Context, tenant_id: str, sampler_id: str, base_model: str, seq_id: int,
-                        payload: Payload) -> SampleFuture:
+                        payload: Sample) -> SampleFuture:
     """Queue one sample job in the sample lane, idempotent on (sampling session, seq_id)."""
-    job = Job(
-        job_id=str(uuid.uuid4()), tenant_id=tenant_id, base_model=base_model, lane="sample", model_id=sampler_id,
-        seq_id=seq_id, payload=payload, result_type="SampleResponse",
-    )
-    feed = feed_name(tenant_id, sampler_id, seq_id // CLONE_BLOCK)
-    try:
-        request_id = await ctx.queue.submit(job, dedup_key=f"{sampler_id}#{seq_id}", feed=feed)
-    except DuplicateJobMismatch as e:
-        raise BadRequest(f"seq_id {seq_id} of {sampler_id} was already used for a different request") from e
-    n = payload.num_samples if hasattr(payload, "num_samples") else 1
+    request_id = await jobs.queue_sample(ctx, tenant_id=tenant_id, base_model=base_model, sampler_id=sampler_id,
+                                         seq_id=seq_id, payload=payload)
+    n = payload.num_samples
     return SampleFuture(request_id=request_id, sample_sequence_ids=[f"{sampler_id}:{seq_id}:{i}" for i in range(n)])
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from api_schemas.jobs import AdamW, ForwardBackward, LoadWeights, OptimStep, Payload, SaveWeights, Skip
+from api_schemas.jobs import AdamW, ForwardBackward, LoadWeights, OptimStep, Payload, SaveWeights
 from api_schemas.tinker.proto import (
     ProtoDecodeError,
     batch_datums,
@@ -24,39 +24,16 @@ from api_schemas.tinker.types import (
 )
 from server.db import repositories as repo
 from server.db.models import CheckpointRow, ModelRow
-from server.errors import BadRequest, DomainError, PayloadTooLarge
+from server.errors import BadRequest, PayloadTooLarge
 from server.services import checkpoints as ckpt
 from server.services import custom_losses
+from server.services import jobs
 from server.services import sampling
 from server.services.context import Context
+from server.services.jobs import queue_op
 from server.services.models import model_id_for, owned_model
 from server.services.sessions import live_session
 from server.services.validation import check_forward_backward
-
-
-async def _queue_op(ctx: Context, tenant_id: str, model: ModelRow, seq_id: int, build, result_type: str) -> UntypedFuture:  # type: ignore[no-untyped-def]
-    """Run `build()` (validation + payload); on a user error queue a Skip for the seq_id, then re-raise."""
-    try:
-        payload: Payload = await build()
-    except DomainError as e:
-        if e.status < 500:
-            await _skip(ctx, tenant_id, model, seq_id, e.message)
-        raise
-    request_id = await ctx.submit(
-        tenant_id=tenant_id, base_model=model.base_model, model_id=model.id, seq_id=seq_id, payload=payload,
-        result_type=result_type,
-    )
-    return UntypedFuture(request_id=request_id, model_id=model.id)
-
-
-async def _skip(ctx: Context, tenant_id: str, model: ModelRow, seq_id: int, reason: str) -> None:
-    try:
-        await ctx.submit(
-            tenant_id=tenant_id, base_model=model.base_model, model_id=model.id, seq_id=seq_id,
-            payload=Skip(reason=reason[:500]), result_type="Skip",
-        )
-    except BadRequest:
-        pass  # the seq_id already holds a real job (a bad retry of a good request): nothing to unblock
 
 
 async def forward_backward(ctx: Context, tenant_id: str, body: bytes, content_encoding: str | None) -> UntypedFuture:
@@ -82,7 +59,7 @@ async def forward_backward(ctx: Context, tenant_id: str, body: bytes, content_en
         return ForwardBackward.build(batch_datums(req), forward_only=req.forward_only, loss_fn=req.loss_fn,
                                      loss_config=req.loss_fn_config, custom_loss=program)
 
-    return await _queue_op(ctx, tenant_id, model, int(msg.seq_id), build, "ForwardBackwardOutput")
+    return await queue_op(ctx, tenant_id, model, int(msg.seq_id), build)
 
 
 async def optim_step(ctx: Context, tenant_id: str, req: OptimStepRequest) -> UntypedFuture:
@@ -99,21 +76,21 @@ async def optim_step(ctx: Context, tenant_id: str, req: OptimStepRequest) -> Unt
             raise BadRequest("adam_params need weight_decay >= 0 and grad_clip_norm >= 0")
         return OptimStep(optimizer=AdamW(**a.model_dump()))
 
-    return await _queue_op(ctx, tenant_id, model, req.seq_id, build, "OptimStepResponse")
+    return await queue_op(ctx, tenant_id, model, req.seq_id, build)
 
 
 async def save_weights(ctx: Context, tenant_id: str, req: SaveWeightsRequest) -> UntypedFuture:
     model = await owned_model(ctx, tenant_id, req.model_id)
     return await _save(ctx, tenant_id, model, req.seq_id, "weights", req.path, req.ttl_seconds, req.overwrite,
-                       req.user_metadata, "SaveWeightsResponse")
+                       req.user_metadata)
 
 
 async def save_weights_for_sampler(ctx: Context, tenant_id: str, req: SaveWeightsForSamplerRequest) -> UntypedFuture:
     model = await owned_model(ctx, tenant_id, req.model_id)
     if req.path is None:  # ephemeral: save_weights_and_get_sampling_client
-        return await sampling.save_ephemeral(ctx, tenant_id, model, req, _queue_op)
+        return await sampling.save_ephemeral(ctx, tenant_id, model, req)
     return await _save(ctx, tenant_id, model, req.seq_id, "sampler_weights", req.path, req.ttl_seconds, True,
-                       req.user_metadata, "SaveWeightsForSamplerResponse")
+                       req.user_metadata)
 
 
 async def save_weights_external(ctx: Context, tenant_id: str, req: SaveWeightsExternalRequest) -> UntypedFuture:
@@ -122,13 +99,13 @@ async def save_weights_external(ctx: Context, tenant_id: str, req: SaveWeightsEx
     if req.age_encryption_recipients:
         async def reject() -> Payload:
             raise BadRequest("age encryption of exports is not supported by this server; omit age_encryption_recipients")
-        return await _queue_op(ctx, tenant_id, model, req.seq_id, reject, "SaveWeightsExternalResponse")
+        return await queue_op(ctx, tenant_id, model, req.seq_id, reject)
     return await _save(ctx, tenant_id, model, req.seq_id, "external_weights", req.path, req.ttl_seconds, True,
-                       None, "SaveWeightsExternalResponse")
+                       None)
 
 
 async def _save(ctx: Context, tenant_id: str, model: ModelRow, seq_id: int, kind: str, name: str,  # noqa: PLR0913
-                ttl: int | None, overwrite: bool, metadata: dict[str, str] | None, result_type: str) -> UntypedFuture:
+                ttl: int | None, overwrite: bool, metadata: dict[str, str] | None) -> UntypedFuture:
     tinker_path = f"tinker://{model.id}/{kind}/{name}"
     key = ckpt.storage_key(tenant_id, model.id, kind, name)
 
@@ -152,7 +129,7 @@ async def _save(ctx: Context, tenant_id: str, model: ModelRow, seq_id: int, kind
         existing = await repo.checkpoint(s, model.id, kind, name)
     if existing is not None and existing.request_id and await _same_seq(ctx, existing.request_id, model.id, seq_id):
         return UntypedFuture(request_id=existing.request_id, model_id=model.id)
-    fut = await _queue_op(ctx, tenant_id, model, seq_id, build, result_type)
+    fut = await queue_op(ctx, tenant_id, model, seq_id, build)
     async with ctx.db.session() as s:
         row = await repo.checkpoint(s, model.id, kind, name)
         if row is not None:
@@ -161,7 +138,7 @@ async def _save(ctx: Context, tenant_id: str, model: ModelRow, seq_id: int, kind
 
 
 async def _same_seq(ctx: Context, request_id: str, model_id: str, seq_id: int) -> bool:
-    return await ctx.queue.dedup_id(f"{model_id}#{seq_id}") == request_id
+    return await jobs.request_at(ctx, model_id, seq_id) == request_id
 
 
 async def load_weights(ctx: Context, tenant_id: str, req: LoadWeightsRequest) -> UntypedFuture:
@@ -175,7 +152,7 @@ async def load_weights(ctx: Context, tenant_id: str, req: LoadWeightsRequest) ->
         source = await ckpt.readable(ctx, tenant_id, req.path)
         return _load_payload(source, req.optimizer, create=False)
 
-    return await _queue_op(ctx, tenant_id, model, req.seq_id, build, "LoadWeightsResponse")
+    return await queue_op(ctx, tenant_id, model, req.seq_id, build)
 
 
 def _load_payload(source: CheckpointRow, optimizer: bool, create: bool) -> LoadWeights:
@@ -210,8 +187,7 @@ async def _create_via_load(ctx: Context, tenant_id: str, req: LoadWeightsRequest
             create_request_id="", user_metadata=req.user_metadata or {},
         )
         await repo.add(s, row)
-        row.create_request_id = await ctx.submit(
-            tenant_id=tenant_id, base_model=origin.base_model, model_id=model_id, seq_id=0, payload=payload,
-            result_type="LoadWeightsResponse",
+        row.create_request_id = await jobs.queue_train(
+            ctx, tenant_id=tenant_id, base_model=origin.base_model, model_id=model_id, seq_id=0, payload=payload,
         )
     return UntypedFuture(request_id=row.create_request_id, model_id=model_id)

@@ -4,18 +4,20 @@
 from __future__ import annotations
 
 import math
+import struct
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 import tinker
 from tinker import types
+from tinker.proto import tinker_public_pb2 as pb
 
 from tests.support.server import ServerProcess, cli
-from tests.unit.engine_jobs import fb
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +50,21 @@ def _model(http: httpx.Client, base_model: str) -> tuple[str, str, str]:
     return session, fut["model_id"], fut["request_id"]
 
 
+def _fb_body(model_id: str, seq: int, rows: list[list[int]]) -> bytes:
+    """A cross_entropy forward_backward request as the SDK sends it (protobuf): each row predicts its next tokens."""
+    msg = pb.ForwardBackwardRequest(model_id=model_id, seq_id=seq, loss_fn="cross_entropy")
+    for tokens in rows:
+        n = len(tokens) - 1
+        datum = pb.Datum(model_input=[pb.Chunk(encoded_text=pb.EncodedTextChunk(
+            tokens=struct.pack(f"<{n}i", *tokens[:-1])))])
+        datum.loss_fn_inputs["target_tokens"].CopyFrom(
+            pb.Tensor(dense=np.asarray(tokens[1:], "<i8").tobytes(), dtype=pb.DTYPE_INT64, shape=[n]))
+        datum.loss_fn_inputs["weights"].CopyFrom(
+            pb.Tensor(dense=np.ones(n, "<f4").tobytes(), dtype=pb.DTYPE_FLOAT32, shape=[n]))
+        msg.data.append(datum)
+    return msg.SerializeToString()
+
+
 def _poll(http: httpx.Client, request_id: str, deadline: float = 60) -> tuple[Any, list[Any]]:
     """The final answer of a future and every try_again seen before it."""
     waits, end = [], time.monotonic() + deadline
@@ -65,11 +82,11 @@ def test_held_requests_report_paused_rate_limit_and_complete(limited: ServerProc
     headers = {"X-API-Key": limited.key_q}  # type: ignore[attr-defined]
     with httpx.Client(base_url=limited.base_url, headers=headers, timeout=30) as http:
         session, model, _ = _model(http, limited.base_model)
-        big = fb(model, 1, [[5] * 591]).payload.request_pb  # 590 of the 600 tokens a minute
-        small = fb(model, 2, [[6] * 41]).payload.request_pb  # needs 30 more: held ~3 s
-        pb = {"content-type": "application/x-protobuf"}
-        first = _post(http, "forward_backward", content=big, headers=pb)["request_id"]
-        second = _post(http, "forward_backward", content=small, headers=pb)["request_id"]
+        big = _fb_body(model, 1, [[5] * 591])  # 590 of the 600 tokens a minute
+        small = _fb_body(model, 2, [[6] * 41])  # needs 30 more: held ~3 s
+        proto = {"content-type": "application/x-protobuf"}
+        first = _post(http, "forward_backward", content=big, headers=proto)["request_id"]
+        second = _post(http, "forward_backward", content=small, headers=proto)["request_id"]
         body, waits = _poll(http, second)
         assert isinstance(body, bytes)  # the ForwardBackwardOutput protobuf: the request was not lost
         paused = [w for w in waits if w.get("queue_state") == "paused_rate_limit"]

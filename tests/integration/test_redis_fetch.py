@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from api_schemas.jobs import AdamSpec, Job, OptimStep, queue_name
+from api_schemas.jobs import AdamW, Job, OptimStep, queue_name
 from jobqueue.redis_queue import RedisQueue
 
 pytest.importorskip("redis")
@@ -18,9 +18,9 @@ Q = queue_name("base", "train")
 
 
 def job(seq: int) -> Job:
-    adam = AdamSpec(learning_rate=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, grad_clip_norm=0.0)
+    adam = AdamW(learning_rate=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, grad_clip_norm=0.0)
     return Job(job_id=str(uuid.uuid4()), tenant_id="t1", base_model="base", model_id="m1", seq_id=seq,
-               payload=OptimStep(adam=adam), result_type="OptimStepResponse")
+               payload=OptimStep(optimizer=adam))
 
 
 def test_fetch_with_timeout_zero_takes_what_is_queued_and_never_blocks(redis_url: str, prefix: str) -> None:

@@ -8,15 +8,24 @@ import uuid
 
 import pytest
 
+import numpy as np
+
 from api_schemas.jobs import (
-    AdamSpec,
+    AdamW,
+    Array,
+    Datum,
     ErrorCategory,
+    ForwardBackward,
+    ForwardBackwardResult,
     Job,
     JobError,
     JobResult,
     JobState,
     OptimStep,
+    OptimStepResult,
+    ResultKind,
     Skip,
+    Skipped,
     queue_name,
 )
 from jobqueue.base import CANCELLED, DuplicateJobMismatch, LeaseLost
@@ -29,13 +38,17 @@ Q = queue_name("base", "train")
 
 
 def job(seq: int = 1, lr: float = 1e-3, model: str = "m1", base: str = "base") -> Job:
-    adam = AdamSpec(learning_rate=lr, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, grad_clip_norm=0.0)
+    adam = AdamW(learning_rate=lr, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, grad_clip_norm=0.0)
     return Job(job_id=str(uuid.uuid4()), tenant_id="t1", base_model=base, model_id=model, seq_id=seq,
-               payload=OptimStep(adam=adam), result_type="OptimStepResponse")
+               payload=OptimStep(optimizer=adam))
 
 
-def ok(j: Job, body: bytes = b'{"metrics": {}}') -> JobResult:
-    return JobResult(job_id=j.job_id, body=body)
+def stepped(step: int = 1) -> OptimStepResult:
+    return OptimStepResult(metrics={}, learning_rate=1e-3, step=step)
+
+
+def ok(j: Job, output: OptimStepResult | Skipped | None = None) -> JobResult:
+    return JobResult(job_id=j.job_id, output=output or stepped())
 
 
 def run(coro):  # type: ignore[no-untyped-def]
@@ -49,19 +62,26 @@ def make(redis_url: str, prefix: str, **kw: float) -> RedisQueue:
 def test_submit_fetch_complete_roundtrip_keeps_bytes(redis_url: str, prefix: str) -> None:
     async def go() -> None:
         q = make(redis_url, prefix)
-        j = job()
+        datum = Datum(tokens=Array.of(np.arange(5)), inputs={"target_tokens": Array.of(np.arange(1, 6))})
+        fb = ForwardBackward.build([datum], forward_only=True, loss_fn="cross_entropy")
+        j = job().model_copy(update={"payload": fb})
         assert await q.submit(j) == j.job_id
         assert (await q.info(j.job_id)).state is JobState.QUEUED  # type: ignore[union-attr]
         got = await q.fetch(Q, timeout=2)
         assert [g.job_id for g in got] == [j.job_id] and got[0] == j
         assert (await q.info(j.job_id)).state is JobState.QUEUED  # type: ignore[union-attr]  # read = running
-        body = bytes(range(256)) * 3  # not UTF-8: results are opaque bytes
-        await q.complete(JobResult(job_id=j.job_id, media_type="application/x-protobuf", body=body), job=j)
+        raw = bytes(range(256)) * 3  # not UTF-8: arrays travel as bytes inside the typed output
+        logprobs = Array(dtype="float32", shape=(len(raw) // 4,), data=raw)
+        out = ForwardBackwardResult(outputs=({"logprobs": logprobs},), metrics={"loss:sum": float("nan")})
+        await q.complete(JobResult(job_id=j.job_id, output=out), job=j)
         info = await q.info(j.job_id)
         assert info is not None and info.state is JobState.DONE and info.tenant_id == "t1"
+        assert info.result_kind is ResultKind.FORWARD_BACKWARD
         for _ in range(2):  # a result may be fetched more than once
             res = await q.wait_result(j.job_id, timeout=1)
-            assert res is not None and res.body == body and res.media_type == "application/x-protobuf"
+            assert res is not None and isinstance(res.output, ForwardBackwardResult)
+            assert res.output.outputs[0]["logprobs"].data == raw and np.isnan(res.output.metrics["loss:sum"])
+            assert res.body == JobResult(job_id=j.job_id, output=out).body
         assert await q.client.xlen(q.keys.stream(Q)) == 0  # acknowledged entries are deleted
         assert await q.fetch(Q, timeout=0.2) == []
         await q.close()
@@ -79,10 +99,10 @@ def test_waiter_is_woken_by_push_not_timeout(redis_url: str, prefix: str) -> Non
         assert not waiter.done()
         (fetched,) = await worker.fetch(Q, timeout=2)
         t0 = time.monotonic()
-        await worker.complete(ok(fetched, b"x" * 10), job=fetched)
+        await worker.complete(ok(fetched, Skipped(reason="x" * 10)), job=fetched)
         res = await asyncio.wait_for(waiter, 5)
         woke = time.monotonic() - t0
-        assert res is not None and res.body == b"x" * 10
+        assert res is not None and res.output == Skipped(reason="x" * 10)
         assert woke < 0.5, woke  # far below the 20 s timeout: a push, not a poll
         assert await gateway.wait_result(str(uuid.uuid4()), timeout=0.2) is None
         await gateway.close()
@@ -102,12 +122,14 @@ def test_small_results_ride_on_the_push_and_large_ones_are_read_back(redis_url: 
             return await deliver(job_id, record_only)
 
         gateway._deliver = counted  # type: ignore[method-assign]
-        binary = b"|1|a|" + bytes(range(40))  # separators and non-UTF-8 bytes inside a small body
+        tricky = Skipped(reason="|1|a|\x00\n\u00e9\U0001f600")  # separators, escapes, multi-byte UTF-8 in a small body
+        assert len(ok(job(), tricky).body) <= 64
         cases = [
-            (ok(job(seq=1), binary), [True]),  # the push holds the result: the delivery is only recorded
+            (ok(job(seq=1), tricky), [True]),  # the push holds the result: the delivery is only recorded
             (JobResult(job_id="", error=JobError(category=ErrorCategory.USER, message="bad | input\n")), [True]),
-            (ok(job(seq=3), b"y" * 65), [False]),  # over the limit: read back once woken
+            (ok(job(seq=3), Skipped(reason="y" * 40)), [False]),  # over the limit: read back once woken
         ]
+        assert len(cases[2][0].body) > 64
         for i, (result, expected) in enumerate(cases):
             j = job(seq=i + 1)
             await gateway.submit(j)
@@ -164,11 +186,11 @@ def test_dead_workers_jobs_are_redelivered_and_its_late_ack_is_refused(redis_url
         assert 0.3 < time.monotonic() - t0 < 3  # it waited for the dead worker's lease to run out
         assert sorted(j.job_id for j in again) == sorted(j.job_id for j in jobs[1:])
         for j in again:
-            await successor.complete(ok(j, b"second"), job=j)
+            await successor.complete(ok(j, stepped(2)), job=j)
         with pytest.raises(LeaseLost):  # the stale worker cannot acknowledge or overwrite anything
-            await dead.complete(ok(got[1], b"stale"), job=got[1])
-        assert (await gateway.wait_result(jobs[1].job_id, 1)).body == b"second"  # type: ignore[union-attr]
-        assert (await gateway.wait_result(jobs[0].job_id, 1)).body == b'{"metrics": {}}'  # type: ignore[union-attr]
+            await dead.complete(ok(got[1], stepped(3)), job=got[1])
+        assert (await gateway.wait_result(jobs[1].job_id, 1)).output == stepped(2)  # type: ignore[union-attr]
+        assert (await gateway.wait_result(jobs[0].job_id, 1)).output == stepped()  # type: ignore[union-attr]
         pending = await gateway.client.xpending(gateway.keys.stream(Q), "workers")
         assert pending["pending"] == 0
         state = await successor.recovery_state("m1")
@@ -212,7 +234,7 @@ def test_cancel_before_start_fails_the_future_and_the_worker_gets_a_skip(redis_u
         assert isinstance(got[0].payload, Skip) and got[0].job_id == a.job_id and got[1] == b
         assert not await q.cancel(b.job_id)  # running: too late
         for j in got:
-            await q.complete(JobResult(job_id=j.job_id, body=b"{}"), job=j)
+            await q.complete(ok(j), job=j)
         res = await q.wait_result(a.job_id, 1)
         assert res is not None and res.error is not None  # the cancel result is kept
         assert not await q.cancel(a.job_id)
@@ -228,11 +250,11 @@ def test_feed_reports_completions_with_cursor_and_push(redis_url: str, prefix: s
         for j in jobs:
             await q.submit(j, feed="tenant:sess:0")
         got = await q.fetch(Q, timeout=2)
-        await q.complete(ok(got[0], b"12345"), job=got[0])
+        await q.complete(ok(got[0], Skipped(reason="12345")), job=got[0])
         await q.complete(JobResult(job_id=got[1].job_id, error=JobError(category=ErrorCategory.USER, message="no")))
         page = await q.wait_feed("tenant:sess:0", 0, timeout=1)
         assert [(c.request_id, c.failed, c.size) for c in page.completions] == [
-            (jobs[0].job_id, False, 5), (jobs[1].job_id, True, None)]
+            (jobs[0].job_id, False, len(ok(got[0], Skipped(reason="12345")).body)), (jobs[1].job_id, True, None)]
         waiter = asyncio.create_task(q.wait_feed("tenant:sess:0", page.cursor, timeout=20,
                                                  retrieved=[jobs[0].job_id]))
         await asyncio.sleep(0.3)
@@ -311,7 +333,7 @@ def test_undecodable_job_is_failed_not_left_blocking(redis_url: str, prefix: str
         q = make(redis_url, prefix)
         good = job(seq=1)
         await q.client.xadd(q.keys.stream(Q), {"id": "bad-1", "job": b'{"job_id": "bad-1", "from_the_future": 1}'})
-        await q.client.hset(q.keys.job("bad-1"), mapping={"tenant": "t1", "rtype": "X", "state": "queued"})
+        await q.client.hset(q.keys.job("bad-1"), mapping={"tenant": "t1", "kind": "optim_step", "state": "queued"})
         await q.submit(good)
         got = await q.fetch(Q, timeout=2)
         assert [j.job_id for j in got] == [good.job_id]

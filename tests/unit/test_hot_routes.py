@@ -19,7 +19,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from starlette.middleware import Middleware
 
-from api_schemas.jobs import JobResult, queue_name
+from api_schemas.jobs import JobResult, OptimStepResult, queue_name
 from api_schemas.models import ServedModel
 from jobqueue.local_queue import LocalQueue
 from server.api.gate import Gate
@@ -40,7 +40,8 @@ def _gateway(tmp: Path, hot: bool) -> tuple[FastAPI, LocalQueue]:
     async def worker() -> None:  # answers every training job at once, with an empty metrics body
         while True:
             for job in await queue.fetch(queue_name(MODEL, "train"), 1.0):
-                await queue.complete(JobResult(job_id=job.job_id, body=b'{"metrics": {}}'), job=job)
+                out = OptimStepResult(metrics={}, learning_rate=0.0, step=0)  # answered as {"metrics": {}}
+                await queue.complete(JobResult(job_id=job.job_id, output=out), job=job)
 
     settings = Settings(data_dir=tmp, max_request_bytes=4096, long_poll_seconds=5)
     app = create_app(settings, queue, {MODEL: served}, background=[worker])

@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import time
 
-from api_schemas.jobs import JobResult, queue_name
+from api_schemas.jobs import JobResult, OptimStepResult, Skipped, queue_name
 from jobqueue.local_queue import LocalQueue
 from tests.unit.engine_jobs import optim
 
 TRAIN = queue_name("tiny", "train")
+STEPPED = OptimStepResult(metrics={}, learning_rate=0.01, step=1)
 
 
 def test_fetch_with_timeout_zero_takes_what_is_queued_and_never_waits() -> None:
@@ -46,18 +47,18 @@ def test_results_and_dedup_keys_expire_after_the_ttl_and_not_before() -> None:
         old, young = optim("m", 1), optim("m", 2)
         assert await q.submit(old, dedup_key="m#1") == old.job_id
         await q.fetch(TRAIN, 0)
-        await q.complete(JobResult(job_id=old.job_id, body=b"{}"))
+        await q.complete(JobResult(job_id=old.job_id, output=STEPPED))
         await asyncio.sleep(0.25)
         assert await q.submit(young, dedup_key="m#2") == young.job_id  # a submit expires what is older than the TTL
         assert await q.info(old.job_id) is None
         assert await q.dedup_id("m#1") is None
         assert await q.wait_result(old.job_id, 0) is None
         await q.fetch(TRAIN, 0)
-        await q.complete(JobResult(job_id=young.job_id, body=b"{}"))
+        await q.complete(JobResult(job_id=young.job_id, output=STEPPED))
         await q.submit(optim("m", 3), dedup_key="m#3")
         assert await q.dedup_id("m#2") == young.job_id  # finished just now: kept, result and key
         result = await q.wait_result(young.job_id, 0)
-        assert result is not None and result.body == b"{}"
+        assert result is not None and result.output == STEPPED
         retry = optim("m", 2)
         assert await q.submit(retry, dedup_key="m#2") == young.job_id
 
@@ -73,8 +74,8 @@ def test_wait_result_times_out_without_a_result() -> None:
         assert await q.wait_result(job.job_id, 0.05) is None
         assert time.monotonic() - started >= 0.04
         asyncio.get_running_loop().call_later(
-            0.05, lambda: asyncio.ensure_future(q.complete(JobResult(job_id=job.job_id, body=b"ok"))))
+            0.05, lambda: asyncio.ensure_future(q.complete(JobResult(job_id=job.job_id, output=Skipped(reason="ok")))))
         result = await q.wait_result(job.job_id, 2.0)
-        assert result is not None and result.body == b"ok"
+        assert result is not None and result.output == Skipped(reason="ok")
 
     asyncio.run(run())

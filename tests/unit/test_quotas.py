@@ -1,5 +1,6 @@
-"""Quotas on the gateway's queue: over a limit a training request is held (paused_rate_limit) and released in its
-model's seq order as soon as the limit allows; a sampling request gets 429 + Retry-After; nothing is lost."""
+"""Admission (quotas) in front of the gateway's queue: over a limit a training request is held (paused_rate_limit)
+and released in its model's seq order as soon as the limit allows; a sampling request gets 429 + Retry-After;
+nothing is lost."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from jobqueue.base import DuplicateJobMismatch
 from jobqueue.local_queue import LocalQueue
 from server.auth.rate_limits import TokenBucket
 from server.config import Settings
-from server.services.quotas import QuotaQueue, RateLimited, job_tokens
+from server.services.quotas import Admission, RateLimited, job_tokens
 from server.services.tenant_limits import Limits, TenantLimits
 from tests.unit.engine_jobs import fb, optim
 
@@ -76,13 +77,13 @@ async def _fetched(inner: LocalQueue, n: int) -> list[Job]:
 def test_tokens_per_minute_holds_in_seq_order_and_releases() -> None:
     async def main() -> None:
         inner = LocalQueue()
-        gate = QuotaQueue(inner, FixedLimits({"t": Limits(tokens_per_minute=6000)}))  # 100 tokens/s
+        gate = Admission(inner, FixedLimits({"t": Limits(tokens_per_minute=6000)}))  # 100 tokens/s
         first = fb("m", 1, [[5] * 5991], tenant="t")  # 5990 tokens: 10 are left in the bucket
         assert job_tokens(first) == 5990
         second, third = fb("m", 2, [[5] * 61], tenant="t"), optim("m", 3)
         third = third.model_copy(update={"tenant_id": "t"})
         for j in (first, second, third):
-            assert await gate.submit(j, dedup_key=f"m#{j.seq_id}") == j.job_id
+            assert await gate.admit(j, dedup_key=f"m#{j.seq_id}") == j.job_id
         assert gate.paused_reason(first.job_id) is None
         assert "tokens per minute" in (gate.paused_reason(second.job_id) or "")
         assert "behind" in (gate.paused_reason(third.job_id) or "")  # no tokens, but it keeps the model's order
@@ -90,8 +91,8 @@ def test_tokens_per_minute_holds_in_seq_order_and_releases() -> None:
         assert info is not None and info.state.value == "queued" and info.tenant_id == "t"
         assert await gate.wait_result(second.job_id, 0.05) is None
         with pytest.raises(DuplicateJobMismatch):
-            await gate.submit(fb("m", 2, [[6] * 61], tenant="t"), dedup_key="m#2")
-        assert await gate.submit(second, dedup_key="m#2") == second.job_id  # a retry: the same future
+            await gate.admit(fb("m", 2, [[6] * 61], tenant="t"), dedup_key="m#2")
+        assert await gate.admit(second, dedup_key="m#2") == second.job_id  # a retry: the same future
         start = time.monotonic()
         got = await _fetched(inner, 3)
         assert [j.seq_id for j in got] == [1, 2, 3]
@@ -105,12 +106,12 @@ def test_tokens_per_minute_holds_in_seq_order_and_releases() -> None:
 def test_late_chunk_of_an_admitted_request_is_never_held() -> None:
     async def main() -> None:
         inner = LocalQueue()
-        gate = QuotaQueue(inner, FixedLimits({"t": Limits(tokens_per_minute=600)}))
-        await gate.submit(fb("m", 3, [[5] * 601], tenant="t"))  # chunks sent in parallel, the first one last
-        await gate.submit(fb("m", 2, [[5] * 101], tenant="t"))  # over the limit, but seq 3 is already queued
+        gate = Admission(inner, FixedLimits({"t": Limits(tokens_per_minute=600)}))
+        await gate.admit(fb("m", 3, [[5] * 601], tenant="t"))  # chunks sent in parallel, the first one last
+        await gate.admit(fb("m", 2, [[5] * 101], tenant="t"))  # over the limit, but seq 3 is already queued
         assert [j.seq_id for j in await _fetched(inner, 2)] == [3, 2]
         held = fb("m", 4, [[5] * 101], tenant="t")
-        await gate.submit(held)
+        await gate.admit(held)
         assert gate.paused_reason(held.job_id) is not None
         await gate.close()
 
@@ -120,10 +121,10 @@ def test_late_chunk_of_an_admitted_request_is_never_held() -> None:
 def test_concurrent_requests_limit_wakes_on_a_finished_request() -> None:
     async def main() -> None:
         inner = LocalQueue()
-        gate = QuotaQueue(inner, FixedLimits({"t": Limits(max_concurrent_requests=2)}))
+        gate = Admission(inner, FixedLimits({"t": Limits(max_concurrent_requests=2)}))
         jobs = [fb(f"m{i}", 1, [[5, 6, 7]], tenant="t") for i in range(3)]
         for j in jobs:
-            await gate.submit(j)
+            await gate.admit(j)
         assert "concurrent" in (gate.paused_reason(jobs[2].job_id) or "")
         running = await _fetched(inner, 2)
         await inner.complete(JobResult(job_id=running[0].job_id, error=JobError(category=ErrorCategory.USER,
@@ -139,10 +140,10 @@ def test_models_limit_holds_a_create_until_a_run_ends() -> None:
     async def main() -> None:
         inner = LocalQueue()
         limits = FixedLimits({"t": Limits(max_models=1)}, live={"t": 1})  # one other live run
-        gate = QuotaQueue(inner, limits)
+        gate = Admission(inner, limits)
         create = Job(job_id="c", tenant_id="t", base_model="tiny", model_id="new", seq_id=0,
-                     payload=CreateModel(lora=LoraSpec(rank=2)), result_type="CreateModelResponse")
-        await gate.submit(create)
+                     payload=CreateModel(lora=LoraSpec(rank=2)))
+        await gate.admit(create)
         assert "models limit" in (gate.paused_reason("c") or "")
         limits.live["t"] = 0  # its session finished
         assert [j.job_id for j in await _fetched(inner, 1)] == ["c"]
@@ -154,10 +155,10 @@ def test_models_limit_holds_a_create_until_a_run_ends() -> None:
 def test_cancel_of_a_held_request_still_consumes_its_seq_id() -> None:
     async def main() -> None:
         inner = LocalQueue()
-        gate = QuotaQueue(inner, FixedLimits({"t": Limits(tokens_per_minute=600)}))
-        await gate.submit(fb("m", 1, [[5] * 601], tenant="t"))
+        gate = Admission(inner, FixedLimits({"t": Limits(tokens_per_minute=600)}))
+        await gate.admit(fb("m", 1, [[5] * 601], tenant="t"))
         held = fb("m", 2, [[5] * 301], tenant="t")  # would wait 30 s
-        await gate.submit(held)
+        await gate.admit(held)
         assert await gate.cancel(held.job_id)
         result = await gate.wait_result(held.job_id, 0.1)
         assert result is not None and result.error is not None and "cancel" in result.error.message
@@ -171,16 +172,16 @@ def test_cancel_of_a_held_request_still_consumes_its_seq_id() -> None:
 def test_sampling_over_the_limit_gets_429_with_retry_after() -> None:
     async def main() -> None:
         inner = LocalQueue()
-        gate = QuotaQueue(inner, FixedLimits({"t": Limits(tokens_per_minute=120)}))
+        gate = Admission(inner, FixedLimits({"t": Limits(tokens_per_minute=120)}))
 
         def sample(i: int) -> Job:
             return Job(job_id=f"s{i}", tenant_id="t", base_model="tiny", lane="sample", model_id="sess", seq_id=i,
                        payload=Sample(prompt_tokens=(1, 2, 3), num_samples=2, params=SampleParams(max_tokens=50,
-                                      temperature=1.0)), result_type="SampleResponse")
+                                      temperature=1.0)))
 
-        assert await gate.submit(sample(0)) == "s0"  # 103 tokens of 120
+        assert await gate.admit(sample(0)) == "s0"  # 103 tokens of 120
         with pytest.raises(RateLimited) as e:
-            await gate.submit(sample(1))
+            await gate.admit(sample(1))
         assert e.value.status == 429 and int(e.value.headers["Retry-After"]) == 43  # 86 missing at 2 tokens/s
         assert await gate.info("s1") is None  # nothing queued: the client resubmits the same seq_id
         await gate.close()

@@ -10,14 +10,14 @@ import asyncio
 import logging
 
 from api_schemas.jobs import ErrorCategory, Job, JobError, JobResult, Sample
-from jobqueue.base import JobQueue
+from jobqueue.base import WorkerQueue
 from workers.sampling.base import SamplerBackend, SamplerUserError
 
 log = logging.getLogger(__name__)
 
 
 class SamplerWorker:
-    def __init__(self, queue: JobQueue, queue_name: str, backend: SamplerBackend, fetch_timeout: float = 1.0) -> None:
+    def __init__(self, queue: WorkerQueue, queue_name: str, backend: SamplerBackend, fetch_timeout: float = 1.0) -> None:
         self.queue = queue
         self.queue_name = queue_name
         self.backend = backend
