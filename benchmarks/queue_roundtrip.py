@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx  # noqa: E402
 
-from api_schemas.jobs import AdamSpec, Job, JobResult, OptimStep, queue_name  # noqa: E402
+from api_schemas.jobs import AdamW, Job, JobResult, OptimStep, OptimStepResult, queue_name  # noqa: E402
 from api_schemas.models import ServedModel  # noqa: E402
 from jobqueue.redis_queue import RedisQueue  # noqa: E402
 
@@ -69,7 +69,7 @@ async def worker(redis_url: str, prefix: str, work_file: Path) -> None:
         ms = float(work_file.read_text() or 0)
         if ms > 0:
             time.sleep(ms / 1000)
-        return JobResult(job_id=job.job_id, body=b'{"metrics": {}}')
+        return JobResult(job_id=job.job_id, output=OptimStepResult(metrics={}, learning_rate=0.0, step=0))
 
     await Dispatcher(q, queue_name(MODEL, "train"), execute).run()
 
@@ -120,11 +120,11 @@ def http_roundtrips(client: Post, n: int, first_seq: int, model_id: str) -> list
 
 async def queue_roundtrips(redis_url: str, prefix: str, n: int) -> list[float]:
     q = RedisQueue(redis_url, prefix=prefix)
-    adam = AdamSpec(**ADAM)
+    adam = AdamW(**ADAM)
     out = []
     for i in range(n):
         job = Job(job_id=str(uuid.uuid4()), tenant_id="bench", base_model=MODEL, model_id="bench-q", seq_id=i,
-                  payload=OptimStep(adam=adam), result_type="OptimStepResponse")
+                  payload=OptimStep(optimizer=adam))
         t0 = time.perf_counter()
         await q.submit(job, dedup_key=f"bench-q#{i}")
         assert await q.wait_result(job.job_id, 10) is not None

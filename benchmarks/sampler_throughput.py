@@ -36,7 +36,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
-from tinker.proto import tinker_public_pb2 as pb
 
 from api_schemas.jobs import LoraSpec, Sample, SampleParams, WeightsRef
 from server.config import DEFAULT_BASE_MODEL
@@ -95,9 +94,9 @@ async def timed(sampler: SamplerBackend, specs: list[Sample]) -> tuple[float, fl
     """Generated tokens per wall second, and per CPU second of this process and its children (steadier on a
     shared machine)."""
     start, cpu = time.perf_counter(), cpu_seconds()
-    bodies = await asyncio.gather(*(sampler.sample(s) for s in specs))
+    results = await asyncio.gather(*(sampler.sample(s) for s in specs))
     elapsed, cpu_used = time.perf_counter() - start, cpu_seconds() - cpu
-    generated = sum(len(seq.tokens) // 4 for b in bodies for seq in pb.SampleResponse.FromString(b).sequences)
+    generated = sum(len(seq.tokens) for r in results for seq in r.sequences)
     return generated / elapsed, generated / max(cpu_used, 1e-9)
 
 

@@ -15,7 +15,8 @@ import numpy as np
 import torch
 from tinker.proto import tinker_public_pb2 as pb
 
-from api_schemas.jobs import LoraSpec, Sample, SampleParams, WeightsRef
+from api_schemas.jobs import LoraSpec, Sample, SampleParams, SampleResult, WeightsRef
+from api_schemas.tinker.proto import encode_sample_response
 from workers.checkpoints.store import CheckpointStore
 
 PROMPT = (5, 17, 99, 23, 40, 41, 7, 120, 64)
@@ -72,8 +73,9 @@ class Decoded:
     message: Any
 
 
-def decode(body: bytes) -> Decoded:
-    msg = pb.SampleResponse.FromString(body)
+def decode(result: SampleResult) -> Decoded:
+    """A sampler's result as the SDK receives it (through the Tinker edge's protobuf encoding)."""
+    msg = pb.SampleResponse.FromString(encode_sample_response(result))
     return Decoded(
         tokens=[np.frombuffer(s.tokens, dtype="<i4").tolist() for s in msg.sequences],
         logprobs=[np.frombuffer(s.logprobs, dtype="<f4") for s in msg.sequences],
