@@ -88,11 +88,12 @@ async def queue_skip(ctx: Context, tenant_id: str, model: ModelRow, seq_id: int,
 async def queue_sample(ctx: Context, *, tenant_id: str, base_model: str, sampler_id: str, seq_id: int,
                        payload: Sample) -> str:
     """Queue one sample of a sampling session in the sample lane, idempotent on (session, seq_id); it joins the
-    feed of the (cloned) client that sent it."""
+    feed of the (cloned) client that sent it. Not remembered as a recent future: retrieve_futures may drop its
+    result once the client says it has it, and the queue then answers its retrieve_future with 404."""
     job = new_job(tenant_id=tenant_id, base_model=base_model, model_id=sampler_id, seq_id=seq_id, payload=payload,
                   lane="sample")
     feed = feed_name(tenant_id, sampler_id, seq_id // CLONE_BLOCK)
-    return await submit(ctx, job, dedup_key=seq_key(sampler_id, seq_id), feed=feed)
+    return await submit(ctx, job, dedup_key=seq_key(sampler_id, seq_id), feed=feed, future=False)
 
 
 async def queue_oneshot_sample(ctx: Context, *, tenant_id: str, base_model: str, payload: Sample) -> str:
