@@ -19,7 +19,8 @@ from jobqueue.redis_queue import RedisQueue
 from jobqueue.resident_limits import publish_resident_limits as publish
 from server.app import Background, create_app
 from server.config import Settings
-from server.services.tenant_limits import TenantLimits
+from server.db.database import Database
+from server.services.tenant_limits import TenantLimits, resident_adapter_limits
 from workers.runtime import hub_pusher
 
 log = logging.getLogger(__name__)
@@ -66,9 +67,6 @@ def build_gateway_app(settings: Settings) -> FastAPI:
 async def publish_resident_limits(settings: Settings, queue: RedisQueue) -> None:
     """Every few seconds, write the tenants' adapters-in-memory quotas (SQL) into Redis for the workers, which
     read no SQL (jobqueue/resident_limits.py). Every gateway of a cluster does it; they write the same."""
-    from server.db.database import Database
-    from server.services.tenant_limits import resident_adapter_limits
-
     interval = max(settings.quota_cache_seconds, MIN_QUOTA_REFRESH_SECONDS)
     db = Database(settings.sqlalchemy_url)
     try:
