@@ -14,11 +14,10 @@ from starlette.middleware import Middleware
 
 from api_schemas.hub import HubPusher
 from api_schemas.models import ServedModel
-from api_schemas.tinker.custom_loss import MAX_REQUEST_BYTES as CUSTOM_LOSS_BYTES
 from jobqueue.base import GatewayQueue
 from jobqueue.storage import CheckpointStorage
 from server.api import health, openai
-from server.api.gate import BodyLimit, Gate, default_limit
+from server.api.gate import Gate, default_limit
 from server.api.tinker import bootstrap, futures, models, sampling, sessions, training
 from server.api.native import hub as native_hub
 from server.api.tinker import checkpoints, custom_losses, downloads, runs
@@ -86,10 +85,9 @@ def create_app(
 
     # Innermost of the middleware (appended, where add_middleware puts a later one in front): authentication and
     # the body bound of every route, and the per-step routes' fast path (server/api/gate.py).
-    custom_loss = BodyLimit(CUSTOM_LOSS_BYTES, f"a create_custom_loss body may have at most {CUSTOM_LOSS_BYTES} bytes")
     app.user_middleware.append(Middleware(Gate, state=app.state, routes=app.router.routes,
                                           limit=default_limit(settings.max_request_bytes),
-                                          limits={"/api/v1/create_custom_loss": custom_loss}))
+                                          limits={"/api/v1/create_custom_loss": custom_losses.BODY_LIMIT}))
 
     @app.exception_handler(DomainError)
     async def _domain_error(_: Request, e: DomainError) -> Response:

@@ -7,7 +7,7 @@ per-step fast path (server/api/gate.py) and FastAPI's dependency (server/api/dep
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from server.auth.keys import KeyCache, SessionFactory
@@ -30,15 +30,13 @@ OPENAI_KEY = KeyHeaders((b"authorization", b"x-api-key"),
                         "missing API key: send Authorization: Bearer tml-... (or X-API-Key)")
 
 
-def api_key(headers: Iterable[tuple[bytes, bytes]], accepted: KeyHeaders) -> str | None:
+def api_key(headers: Sequence[tuple[bytes, bytes]], accepted: KeyHeaders) -> str | None:
     """The key a request carries in the accepted headers ("" when the winning header is empty), else None."""
-    found: dict[bytes, bytes] = {}
-    for name, raw in headers:
-        if name in accepted.names and name not in found:  # the first of repeated headers, as Starlette reads them
-            found[name] = raw
     for name in accepted.names:
-        given = found.get(name)
-        if given is None:
+        for k, given in headers:  # the first of repeated headers, as Starlette reads them
+            if k == name:
+                break
+        else:
             continue
         value = given.decode("latin-1")
         if name not in _BEARER:
@@ -48,7 +46,7 @@ def api_key(headers: Iterable[tuple[bytes, bytes]], accepted: KeyHeaders) -> str
     return None
 
 
-async def authenticate(cache: KeyCache, sessions: SessionFactory, headers: Iterable[tuple[bytes, bytes]],
+async def authenticate(cache: KeyCache, sessions: SessionFactory, headers: Sequence[tuple[bytes, bytes]],
                        accepted: KeyHeaders) -> str:
     """The tenant of the request's key, or Unauthorized (401) for a missing, unknown or revoked one."""
     key = api_key(headers, accepted)

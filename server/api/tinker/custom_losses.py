@@ -7,10 +7,13 @@ from fastapi import APIRouter, Request
 from api_schemas.tinker.custom_loss import MAX_REQUEST_BYTES, CreateCustomLossRequest
 from api_schemas.tinker.types import UntypedFuture
 from server.api.deps import Ctx, Tenant
-from server.errors import PayloadTooLarge
+from server.api.gate import BodyLimit
 from server.services import custom_losses
 
 router = APIRouter()
+
+# The gate's bound for this route's body (server/app.py), tighter than max_request_bytes.
+BODY_LIMIT = BodyLimit(MAX_REQUEST_BYTES, f"a create_custom_loss body may have at most {MAX_REQUEST_BYTES} bytes")
 
 _BODY = {"requestBody": {"required": True, "content": {"application/json": {"schema": {
     "title": "CreateCustomLossRequest", "type": "object",
@@ -22,9 +25,5 @@ _BODY = {"requestBody": {"required": True, "content": {"application/json": {"sch
 
 @router.post("/create_custom_loss", openapi_extra=_BODY)
 async def create_custom_loss(request: Request, ctx: Ctx, tenant: Tenant) -> UntypedFuture:
-    body = bytearray()
-    async for chunk in request.stream():  # bounded read: stop at the limit rather than buffer anything
-        body += chunk
-        if len(body) > MAX_REQUEST_BYTES:
-            raise PayloadTooLarge(f"a create_custom_loss body may have at most {MAX_REQUEST_BYTES} bytes")
-    return await custom_losses.create(ctx, tenant, bytes(body))
+    body = await request.body()  # read by the gate, bounded by BODY_LIMIT
+    return await custom_losses.create(ctx, tenant, body)

@@ -12,7 +12,6 @@ from api_schemas.tinker.types import (
     UntypedFuture,
 )
 from server.api.deps import Ctx, Tenant
-from server.errors import PayloadTooLarge
 from server.services import training
 
 router = APIRouter()
@@ -20,12 +19,8 @@ router = APIRouter()
 
 @router.post("/forward_backward", openapi_extra={"requestBody": {"content": {"application/x-protobuf": {}}}})
 async def forward_backward(request: Request, ctx: Ctx, tenant: Tenant) -> UntypedFuture:
-    body = bytearray()
-    async for chunk in request.stream():  # bounded read: stop at the limit rather than buffer anything
-        body += chunk
-        if len(body) > ctx.settings.max_request_bytes:
-            raise PayloadTooLarge(f"request body exceeds the limit of {ctx.settings.max_request_bytes} bytes")
-    return await training.forward_backward(ctx, tenant, bytes(body), request.headers.get("content-encoding"))
+    body = await request.body()  # read by the gate, bounded by max_request_bytes (server/api/gate.py)
+    return await training.forward_backward(ctx, tenant, body, request.headers.get("content-encoding"))
 
 
 @router.post("/optim_step")
