@@ -14,7 +14,11 @@ import logging
 from fastapi import FastAPI
 
 from api_schemas.models import ServedModel
-from deploy.specs import MIN_QUOTA_REFRESH_SECONDS, spec_from_settings, storage_from_settings
+from deploy.specs import (
+    MIN_QUOTA_REFRESH_SECONDS,
+    spec_from_settings,
+    storage_from_settings,
+)
 from jobqueue.redis_queue import RedisQueue
 from jobqueue.resident_limits import publish_resident_limits as publish
 from server.app import Background, create_app

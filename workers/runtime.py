@@ -159,7 +159,7 @@ class Runtime:
         folder = model_folder(spec)
         rt = cls(spec=spec, served=served_model(spec.base_model, folder), store=store, folder=folder)
         if "train" in lanes or ("sample" in lanes and spec.sampler == "torch"):
-            from workers.engine.base_model import BaseModel as Base  # noqa: F811 - the runtime import
+            from workers.engine.base_model import BaseModel as Base
 
             log.info("loading base model %s from %s", spec.base_model, folder)
             rt.base = Base(spec.base_model, folder, dtype=spec.dtype, device=spec.device)

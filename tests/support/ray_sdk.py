@@ -4,6 +4,7 @@ replica heartbeats read from Redis, the stock-SDK SFT + sampling flow, and the t
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import signal
 import sys
@@ -213,7 +214,6 @@ def runtime_budgets(gw: Gateway, redis_url: str, prefix: str, model: str, token_
     under the data dir, the scheduler packs up to the config's `limits.train_token_budget`, and the gateway publishes
     the tenant's resident-adapter quota (set with `tenants set-quota`) into Redis for the trainer."""
     import redis
-
     import tinker
 
     t0 = time.monotonic()
@@ -240,6 +240,6 @@ def runtime_budgets(gw: Gateway, redis_url: str, prefix: str, model: str, token_
     ok = (info.get("token_budget") == token_budget and paging.get("device_budget_bytes") == 0
           and paging.get("host_budget_bytes") == 0 and paging.get("tiers", {}).get("disk", 0) >= 1
           and len(spilled) >= 1 and sorted(v for k, v in published.items() if k != "*") == ["1"]
-          and all(loss == loss for loss in losses))
+          and all(math.isfinite(loss) for loss in losses))
     return {"check": "runtime_budgets", "ok": ok, "trainer_info": info, "spilled": spilled, "published": published,
             "seconds": round(time.monotonic() - t0, 1)}

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from deploy.ray_config import Limits, parse_config
 from deploy.specs import spec_from_ray, spec_from_settings, storage_from_settings
@@ -15,12 +16,13 @@ from server.config import Settings
 from workers.runtime import Runtime, StorageSpec, WorkerSpec
 
 # A value unlike the default for every setting a spec is built from.
-SETTINGS = dict(
-    base_model="org/some-model", dtype="bfloat16", device="cuda:1", adapter_device_budget_bytes=12345,
-    adapter_host_budget_bytes=678, quota_max_resident_adapters=3, quota_cache_seconds=7.5, train_token_budget=777,
-    seq_gap_timeout_seconds=12.0, snapshot_every_steps=4, sampler="vllm", sampler_max_batch_rows=9,
-    sampler_max_loaded_adapters=5, max_lora_rank=16, hub_push_concurrency=6, storage_url="memory://ckpt",
-)
+SETTINGS = {
+    "base_model": "org/some-model", "dtype": "bfloat16", "device": "cuda:1", "adapter_device_budget_bytes": 12345,
+    "adapter_host_budget_bytes": 678, "quota_max_resident_adapters": 3, "quota_cache_seconds": 7.5,
+    "train_token_budget": 777, "seq_gap_timeout_seconds": 12.0, "snapshot_every_steps": 4, "sampler": "vllm",
+    "sampler_max_batch_rows": 9, "sampler_max_loaded_adapters": 5, "max_lora_rank": 16, "hub_push_concurrency": 6,
+    "storage_url": "memory://ckpt",
+}
 
 
 def _settings(tmp_path: Path, **extra: object) -> Settings:
@@ -89,9 +91,9 @@ def test_ray_config_limits_are_settings() -> None:
 def test_spec_is_frozen_and_strict(tmp_path: Path) -> None:
     storage = StorageSpec(data_dir=tmp_path, location=str(tmp_path / "c"), cache_dir=tmp_path / "cache")
     spec = WorkerSpec(base_model="m", storage=storage)
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError, match="frozen"):
         spec.device = "cuda"  # type: ignore[misc]
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError, match="token_budget"):
         WorkerSpec(base_model="m", storage=storage, token_budget=5)  # type: ignore[call-arg]
 
 
