@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from typing import Any
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -33,7 +34,7 @@ from server.services.tenant_limits import TenantLimits
 
 log = logging.getLogger(__name__)
 
-Background = Callable[[], Awaitable[None]]
+Background = Callable[[], Coroutine[Any, Any, None]]
 
 
 def create_app(
