@@ -42,6 +42,7 @@ UNEMBED_MODULES = ("lm_head",)
 # one layer's adapters: id -> A (r, in), id -> B (out, r), id -> scale
 LayerAdapters = tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, float]]
 Stacks = dict["LoraLinear", tuple[tuple[str, ...], torch.Tensor, torch.Tensor]]
+_NO_ADAPTERS: LayerAdapters = ({}, {}, {})  # a layer outside a frozen set (another model's)
 
 
 @dataclass(frozen=True)
@@ -155,18 +156,25 @@ class _Routing:
     layouts: dict[tuple, _Layout] = field(default_factory=dict)
 
     def add_term(self, layer: LoraLinear, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        a, b, scales = (layer.lora_A, layer.lora_B, layer.scale) if self.frozen is None else self.frozen.weights[layer]
+        if self.frozen is None:
+            a, b, scales = layer.lora_A, layer.lora_B, layer.scale
+        else:
+            a, b, scales = self.frozen.weights.get(layer, _NO_ADAPTERS)
         present = [r for r in self.routes if r.adapter_id in a]
         if not present:
             return y
-        per_row = y.numel() // (y.shape[0] * y.shape[-1])  # tokens per row
+        # with autograd, no in-place op on a view of y: its backward would copy a y-sized gradient per op
+        in_place = not torch.is_grad_enabled()
+        rows, per_row = y.shape[0], y.numel() // (y.shape[0] * y.shape[-1])  # tokens per row
+        whole = len(present) == 1 and present[0].start == 0 and present[0].stop >= rows
         ids = cast(tuple[str, ...], tuple(dict.fromkeys(r.adapter_id for r in present)))
-        if len(ids) > 1:
+        if len(ids) > 1 or not (in_place or whole):
             layout = self._layout(ids, tuple(scales[i] for i in ids), present, y)
-            if per_row == 1 or layout.n * layout.g <= 2 * layout.covered:
+            if not in_place or per_row == 1 or layout.n * layout.g <= 2 * layout.covered:
                 stack_a, stack_b = self._stacked(layer, ids, a, b)
-                _grouped(stack_a, stack_b, layout, x, y, per_row)
-                return y
+                return _grouped(stack_a, stack_b, layout, x, y, per_row, in_place)
+        if not in_place:  # scaled at rank width, before B: for lm_head that is (rows, r), not (rows, vocab)
+            return y.add_(((x @ a[ids[0]].t()) * scales[ids[0]]) @ b[ids[0]].t())
         flat = y.view(-1, y.shape[-1])
         for r in present:
             xs = x[r.start : r.stop].reshape(-1, x.shape[-1])
@@ -210,21 +218,32 @@ class _Routing:
         return hit
 
 
-def _grouped(a: torch.Tensor, b: torch.Tensor, layout: _Layout, x: torch.Tensor, y: torch.Tensor,
-             per_row: int) -> None:
-    """y += every row's LoRA term, in two batched matmuls over the (adapters, rows per adapter) layout."""
+def _grouped(a: torch.Tensor, b: torch.Tensor, layout: _Layout, x: torch.Tensor, y: torch.Tensor, per_row: int,
+             in_place: bool) -> torch.Tensor:
+    """y + every row's LoRA term, in two batched matmuls over the (adapters, rows per adapter) layout."""
     n, g, width, out = layout.n, layout.g, x.shape[-1], y.shape[-1]
     if layout.index is None:
         xg = x.reshape(n, g * per_row, width)
     else:
         xg = x.reshape(y.shape[0], -1).index_select(0, layout.index).view(n, g * per_row, width)
-    h = torch.bmm(a, xg.transpose(1, 2))  # (n, r, g * per_row): A (r, in) streams faster than A^T here
-    h.view(n, -1, g, per_row).mul_(layout.scale)
-    h = h.transpose(1, 2)
+    if in_place:  # (n, r, g * per_row): A (r, in) streams faster than A^T here
+        h = torch.bmm(a, xg.transpose(1, 2))
+        h.view(n, -1, g, per_row).mul_(layout.scale)
+        h = h.transpose(1, 2)
+    else:  # the training orientation: x @ A^T, scaled out of place
+        h = torch.bmm(xg, a.transpose(1, 2)).view(n, g, per_row, -1) * layout.scale.view(n, g, 1, 1)
+        h = h.view(n, g * per_row, -1)
     if layout.index is None:
+        if not in_place:
+            return y.add_(torch.bmm(h, b).view_as(y))
         y.view(n, g * per_row, out).baddbmm_(h, b)
-    else:  # padding places point at a real row and add exact zeros to it
-        y.view(y.shape[0], -1).index_add_(0, layout.index, torch.bmm(h, b).view(n * g, per_row * out))
+        return y
+    # padding places point at a real row and add exact zeros to it
+    delta = torch.bmm(h, b).view(n * g, per_row * out)
+    if not in_place:
+        return y.add_(delta.new_zeros(y.shape[0], per_row * out).index_add_(0, layout.index, delta).view_as(y))
+    y.view(y.shape[0], -1).index_add_(0, layout.index, delta)
+    return y
 
 
 _local = threading.local()
