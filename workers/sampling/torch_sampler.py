@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from api_schemas.jobs import Sample
+from api_schemas.jobs import Sample, SampleResult
 from workers.checkpoints.store import CheckpointStore
 from workers.engine.base_model import BaseModel
 from workers.engine.multi_lora import FrozenAdapters
@@ -30,7 +30,7 @@ from workers.sampling.base import (
     SamplerBackend,
     SamplerConfig,
     SamplerUserError,
-    encode_sample_response,
+    to_result,
     eos_token_ids,
 )
 from workers.sampling.kv_batch import KVBatch
@@ -45,7 +45,7 @@ PREFILL_LOGITS_BUDGET = 1 << 26  # logits elements of one joint prefill (256 MiB
 @dataclass
 class _Inbound:
     spec: Sample
-    future: asyncio.Future[bytes]
+    future: asyncio.Future[SampleResult]
     loop: asyncio.AbstractEventLoop
 
 
@@ -80,12 +80,12 @@ class TorchSampler(SamplerBackend):
             self._thread = None
             self.lora.close()
 
-    async def sample(self, spec: Sample) -> bytes:
+    async def sample(self, spec: Sample) -> SampleResult:
         if self._thread is None:
             raise RuntimeError("the sampler is not started")
         self._check(spec)
         loop = asyncio.get_running_loop()
-        future: asyncio.Future[bytes] = loop.create_future()
+        future: asyncio.Future[SampleResult] = loop.create_future()
         self._inbox.put(_Inbound(spec, future, loop))
         return await future
 
@@ -250,7 +250,7 @@ class TorchSampler(SamplerBackend):
             active.remove(req)
             self.slots.release(req.spec.weights)
             try:
-                _resolve(req.loop, req.future, body=encode_sample_response(req.result()))
+                _resolve(req.loop, req.future, result=to_result(req.result()))
             except Exception as e:  # noqa: BLE001 - encoding is this request's problem only
                 _resolve(req.loop, req.future, error=e)
 
@@ -264,15 +264,15 @@ class TorchSampler(SamplerBackend):
         active.clear()
 
 
-def _resolve(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[bytes], body: bytes | None = None,
-             error: BaseException | None = None) -> None:
+def _resolve(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[SampleResult],
+             result: SampleResult | None = None, error: BaseException | None = None) -> None:
     def _set() -> None:
         if fut.done():
             return
         if error is not None:
             fut.set_exception(error)
         else:
-            fut.set_result(body or b"")
+            fut.set_result(result if result is not None else SampleResult())
 
     try:
         loop.call_soon_threadsafe(_set)
