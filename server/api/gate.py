@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi.dependencies.models import Dependant
-from fastapi.routing import iter_route_contexts
 from starlette.datastructures import State
 from starlette.routing import BaseRoute, compile_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -157,9 +156,20 @@ class _Rules:
         return None
 
 
+def _route_contexts(routes: Sequence[BaseRoute]) -> Iterator[Any]:
+    """FastAPI's routes with included routers resolved: newer FastAPI keeps them nested (`iter_route_contexts`
+    walks them); older releases (e.g. the one vLLM pins) copy every included route into the app's own list."""
+    try:
+        from fastapi.routing import iter_route_contexts  # type: ignore[attr-defined,unused-ignore]
+    except ImportError:
+        yield from routes
+        return
+    yield from iter_route_contexts(routes)
+
+
 def _api_routes(routes: Sequence[BaseRoute]) -> Iterator[tuple[str, set[str], Dependant]]:
     """Each FastAPI route as (full path, methods, dependant), included routers resolved, in matching order."""
-    for context in iter_route_contexts(routes):
+    for context in _route_contexts(routes):
         dependant = getattr(context, "dependant", None)
         if isinstance(dependant, Dependant) and context.path is not None:
             yield context.path, set(context.methods or ()), dependant
