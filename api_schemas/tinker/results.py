@@ -1,8 +1,10 @@
 """The Tinker edge's answer to a finished job: a typed result (api_schemas/jobs.py) encoded as the SDK reads it.
 
-Forward/backward outputs and samples are protobuf (`ForwardBackwardOutput`, `SampleResponse`); everything else
-is the JSON body of the SDK's response type. A save's answer names the checkpoint as the Tinker edge knows it
-(its `tinker://` path, or the sampling session of an ephemeral save), which the caller looks up.
+Forward/backward outputs and samples are protobuf (`ForwardBackwardOutput`, `SampleResponse`), unless the client
+asks for JSON only (older SDKs, e.g. 0.16.1: `Accept: application/json`, see `wants_json`), which gets their JSON
+(api_schemas/tinker/json_batch.py); everything else is the JSON body of the SDK's response type.
+A save's answer names the checkpoint as the Tinker edge knows it (its `tinker://` path, or the sampling session of an
+ephemeral save), which the caller looks up.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from api_schemas.jobs import (
     SaveResult,
     Skipped,
 )
+from api_schemas.tinker.json_batch import forward_backward_output_json, sample_response_json
 from api_schemas.tinker.proto import encode_forward_backward_output, encode_sample_response
 
 JSON, PROTOBUF = "application/json", "application/x-protobuf"
@@ -37,12 +40,27 @@ class SavedAs:
     sampling_session_id: str | None = None
 
 
-def encode_result(kind: ResultKind, output: Output, saved: SavedAs | None = None) -> tuple[str, bytes]:
-    """(media type, body) of a successful job's result."""
+def wants_json(accept: str | None) -> bool:
+    """Whether a retrieve_future's Accept header asks for JSON only. 0.38.0 sends `application/x-protobuf` for the
+    results it reads as protobuf; 0.16.1 sends `application/json` for every result; a client that sends none (or
+    `*/*`) keeps getting protobuf, as before."""
+    if not accept:
+        return False
+    types = {part.split(";", 1)[0].strip().lower() for part in accept.split(",")}
+    return "application/json" in types and not types & {PROTOBUF, "*/*", "application/*"}
+
+
+def encode_result(kind: ResultKind, output: Output, saved: SavedAs | None = None,
+                  json_only: bool = False) -> tuple[str, bytes]:
+    """(media type, body) of a successful job's result; `json_only`: the client reads no protobuf."""
     if isinstance(output, ForwardBackwardResult):
         outputs = [{name: a.numpy() for name, a in o.items()} for o in output.outputs]
+        if json_only:
+            return JSON, json.dumps(forward_backward_output_json(outputs, output.metrics)).encode()
         return PROTOBUF, encode_forward_backward_output(outputs, output.metrics)
     if isinstance(output, SampleResult):
+        if json_only:
+            return JSON, json.dumps(sample_response_json(output)).encode()
         return PROTOBUF, encode_sample_response(output)
     body: dict[str, object]
     if isinstance(output, OptimStepResult):

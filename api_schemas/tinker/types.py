@@ -1,4 +1,5 @@
-"""Tinker API JSON request/response bodies, as SDK 0.38.0 sends and expects them.
+"""Tinker API JSON request/response bodies, as SDK 0.38.0 sends and expects them (and 0.16.1: it sends some fields
+as null that 0.38.0 leaves out).
 
 Requests are tolerant (unknown fields ignored: a newer client may add some); responses carry what the SDK requires.
 """
@@ -24,7 +25,7 @@ class Response(BaseModel):
 # --- bootstrap and sessions ---
 class CreateSessionRequest(Request):
     tags: list[str] = Field(default_factory=list, max_length=64)
-    user_metadata: dict[str, Any] = Field(default_factory=dict)
+    user_metadata: dict[str, Any] | None = Field(default_factory=dict)  # older SDKs send null
     sdk_version: str | None = None
     project_id: str | None = Field(None, max_length=128)
     display_name: str | None = Field(None, max_length=256)
@@ -66,7 +67,7 @@ class CreateModelRequest(Request):
     model_seq_id: int = Field(ge=0)
     base_model: str
     user_metadata: dict[str, Any] | None = None
-    lora_config: LoraConfig = Field(default_factory=LoraConfig)
+    lora_config: LoraConfig | None = Field(default_factory=LoraConfig)  # null: full-parameter (refused with a 400)
     optimizer_config: OptimizerConfig = Field(default_factory=OptimizerConfig)
 
 

@@ -1,6 +1,7 @@
 """Shared route dependencies: the service context and the authenticated tenant.
 
-A route declares its authentication by depending on `Tenant` (the Tinker routes: X-API-Key) or `BearerTenant`
+A route declares its authentication by depending on `Tenant` (the Tinker routes: X-API-Key, or Authorization /
+Twinkle-Authorization: Bearer) or `BearerTenant`
 (the OpenAI routes: Authorization: Bearer, or X-API-Key). The gate (server/api/gate.py) reads that declaration
 and authenticates before the body is read, leaving the tenant in the scope; these dependencies then return it.
 """
@@ -24,7 +25,9 @@ async def get_ctx(request: Request) -> Context:  # async: FastAPI runs a plain `
 
 
 # The Header parameters only document the accepted headers in OpenAPI; the key is read by `authenticate`.
-async def get_tenant(request: Request, x_api_key: Annotated[str | None, Header()] = None) -> str:
+async def get_tenant(request: Request, x_api_key: Annotated[str | None, Header()] = None,
+                     authorization: Annotated[str | None, Header()] = None,
+                     twinkle_authorization: Annotated[str | None, Header(alias="Twinkle-Authorization")] = None) -> str:
     return await _tenant(request, TINKER_KEY)
 
 

@@ -34,16 +34,18 @@ async def _optim_step(ctx: Context, tenant: str, req: Any, _: Scope) -> Answer:
 
 
 async def _forward_backward(ctx: Context, tenant: str, body: Any, scope: Scope) -> Answer:
-    encoding = _header(scope, b"content-encoding")
-    return _model(await training.forward_backward(ctx, tenant, body, encoding.decode("latin-1") if encoding else None))
+    encoding, media = _header(scope, b"content-encoding"), _header(scope, b"content-type")
+    return _model(await training.forward_backward(ctx, tenant, body, encoding.decode("latin-1") if encoding else None,
+                                                  media.decode("latin-1") if media else None))
 
 
 async def _asample(ctx: Context, tenant: str, req: Any, _: Scope) -> Answer:
     return _model(await sampling.asample(ctx, tenant, req))
 
 
-async def _retrieve_future(ctx: Context, tenant: str, req: Any, _: Scope) -> Answer:
-    answer = await futures.retrieve(ctx, tenant, req.request_id)
+async def _retrieve_future(ctx: Context, tenant: str, req: Any, scope: Scope) -> Answer:
+    accept = _header(scope, b"accept")
+    answer = await futures.retrieve(ctx, tenant, req.request_id, accept.decode("latin-1") if accept else None)
     return answer.media_type.encode(), answer.body
 
 

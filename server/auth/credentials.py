@@ -1,7 +1,8 @@
 """A request's API key -> its tenant: the one authentication of every route (FastAPI's and the fast path's).
 
-A route family accepts the key in a fixed list of headers (`KeyHeaders`): the Tinker routes in `X-API-Key`, the
-OpenAI routes in `Authorization: Bearer tml-...` or `X-API-Key`. Headers are the ASGI scope's raw pairs, so the
+A route family accepts the key in a fixed list of headers (`KeyHeaders`): the Tinker routes in `X-API-Key`, or
+`Authorization` / `Twinkle-Authorization: Bearer tml-...` (what twinkle-kit's `init_tinker_client()` adds to older
+SDKs), the OpenAI routes in `Authorization: Bearer tml-...` or `X-API-Key`. Headers are the ASGI scope's raw pairs, so the
 per-step fast path (server/api/gate.py) and FastAPI's dependency (server/api/deps.py) read them the same way.
 """
 
@@ -25,7 +26,7 @@ class KeyHeaders:
     missing: str
 
 
-TINKER_KEY = KeyHeaders((b"x-api-key",), "missing X-API-Key header")
+TINKER_KEY = KeyHeaders((b"x-api-key", b"authorization", b"twinkle-authorization"), "missing X-API-Key header")
 OPENAI_KEY = KeyHeaders((b"authorization", b"x-api-key"),
                         "missing API key: send Authorization: Bearer tml-... (or X-API-Key)")
 

@@ -29,6 +29,7 @@ from api_schemas.openai import (
 )
 from server.db import repositories as repo
 from server.errors import BadRequest, DomainError, NotFound
+from server.services import checkpoints as ckpt
 from server.services import jobs, sampling
 from server.services.chat_template import ChatTokenizer, chat_tokenizer
 from server.services.context import Context
@@ -61,7 +62,7 @@ async def list_models(ctx: Context, tenant_id: str) -> ModelList:
 async def resolve_model(ctx: Context, tenant_id: str, model: str) -> tuple[ServedModel, WeightsRef | None]:
     if model in ctx.models:
         return ctx.models[model], None
-    if model.startswith("tinker://"):
+    if model.startswith(ckpt.SCHEMES):
         base_model, _, weights = await sampling.resolve_path(ctx, tenant_id, model)
         return ctx.served(base_model), weights
     async with ctx.db.session() as s:

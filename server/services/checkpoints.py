@@ -28,6 +28,7 @@ from server.services.context import Context
 log = logging.getLogger(__name__)
 
 KINDS = ("weights", "sampler_weights", "external_weights")
+SCHEMES = ("tinker://", "twinkle://")
 MIN_TTL, MAX_TTL = 3600, 10 * 365 * 24 * 3600
 
 
@@ -39,9 +40,11 @@ class TinkerPath:
 
     @classmethod
     def parse(cls, path: str) -> "TinkerPath":
-        if not path.startswith("tinker://"):
+        """`tinker://<run>/<kind>/<name>`; `twinkle://` (twinkle-kit's spelling of the same path) names the same."""
+        scheme = next((s for s in SCHEMES if path.startswith(s)), None)
+        if scheme is None:
             raise BadRequest(f"{path!r} is not a tinker:// path")
-        parts = path[len("tinker://") :].split("/")
+        parts = path[len(scheme) :].split("/")
         if len(parts) != 3 or not all(parts) or parts[1] not in KINDS:
             raise BadRequest(f"{path!r} is not tinker://<run>/<{'|'.join(KINDS)}>/<name>")
         return cls(*parts)

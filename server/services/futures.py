@@ -14,7 +14,7 @@ from api_schemas.tinker.futures import (
     RetrieveFuturesRequest,
     RetrieveFuturesResponse,
 )
-from api_schemas.tinker.results import encode_result
+from api_schemas.tinker.results import encode_result, wants_json
 from api_schemas.tinker.types import FutureError, TryAgain
 from server.errors import DomainError, NotFound
 from server.services import checkpoints as ckpt
@@ -29,7 +29,8 @@ class FutureAnswer:
     body: bytes
 
 
-async def retrieve(ctx: Context, tenant_id: str, request_id: str) -> FutureAnswer:
+async def retrieve(ctx: Context, tenant_id: str, request_id: str, accept: str | None = None) -> FutureAnswer:
+    """`accept`: the request's Accept header (older SDKs read every result as JSON: results.wants_json)."""
     if custom_losses.is_loss_id(request_id):  # create_custom_loss: done when stored, answered from SQL
         return _json((await custom_losses.answer(ctx, tenant_id, request_id)).model_dump())
     owner = await jobs.owner(ctx, request_id)
@@ -51,7 +52,7 @@ async def retrieve(ctx: Context, tenant_id: str, request_id: str) -> FutureAnswe
         return _json(FutureError(error=result.error.message, category=result.error.category.value).model_dump())
     if result.output is None:
         raise DomainError(f"future {request_id} finished without a result")
-    media_type, body = encode_result(kind, result.output, saved)
+    media_type, body = encode_result(kind, result.output, saved, json_only=wants_json(accept))
     return FutureAnswer(media_type, body)
 
 

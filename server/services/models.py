@@ -56,6 +56,9 @@ async def create_model(ctx: Context, tenant_id: str, req: CreateModelRequest) ->
     served = ctx.served(req.base_model)
     await live_session(ctx, tenant_id, req.session_id)
     lora = req.lora_config
+    if lora is None:  # twinkle-kit's create_full_training_client
+        raise BadRequest("lora_config is null: full-parameter training is not offered yet by this server; "
+                         "create a LoRA training client (lora_config with a rank)")
     if lora.rank > ctx.settings.max_lora_rank:
         raise BadRequest(f"lora rank {lora.rank} exceeds this server's maximum {ctx.settings.max_lora_rank}")
     if not (lora.train_attn or lora.train_mlp or lora.train_unembed):

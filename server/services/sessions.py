@@ -16,7 +16,7 @@ async def create_session(ctx: Context, tenant_id: str, req: CreateSessionRequest
         id=str(uuid.uuid4()),
         tenant_id=tenant_id,
         tags=sorted(set(req.tags)),
-        user_metadata=req.user_metadata,
+        user_metadata=req.user_metadata or {},
         project_id=req.project_id,
         display_name=req.display_name,
         sdk_version=req.sdk_version,

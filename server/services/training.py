@@ -6,7 +6,9 @@ from __future__ import annotations
 import re
 
 from api_schemas.jobs import AdamW, ForwardBackward, LoadWeights, OptimStep, Payload, SaveWeights
+from api_schemas.tinker.json_batch import decode_json_forward_backward, parse_json_forward_backward
 from api_schemas.tinker.proto import (
+    DecodedForwardBackward,
     ProtoDecodeError,
     batch_datums,
     decode_forward_backward,
@@ -36,10 +38,14 @@ from server.services.sessions import live_session
 from server.services.validation import check_forward_backward
 
 
-async def forward_backward(ctx: Context, tenant_id: str, body: bytes, content_encoding: str | None) -> UntypedFuture:
+async def forward_backward(ctx: Context, tenant_id: str, body: bytes, content_encoding: str | None,
+                           content_type: str | None = None) -> UntypedFuture:
+    """A protobuf ForwardBackwardRequest, or (Content-Type application/json) the JSON one older SDKs send."""
     limit = ctx.settings.max_request_bytes
     if len(body) > limit:
         raise PayloadTooLarge(f"request body of {len(body)} bytes exceeds the limit of {limit}")
+    if _is_json(content_type):
+        return await _json_batch(ctx, tenant_id, body, content_encoding, forward_only=False)
     try:
         raw = decompress(body, content_encoding)
         msg = parse_forward_backward(raw)
@@ -52,14 +58,49 @@ async def forward_backward(ctx: Context, tenant_id: str, body: bytes, content_en
             req = decode_forward_backward(msg)
         except ProtoDecodeError as e:
             raise BadRequest(str(e)) from e
-        loss_id = req.loss_fn_config.get("loss_id") if req.loss_fn == "custom" else None
-        # A custom loss travels in the job as its checked graph (404 unless this model's session created it).
-        program = await custom_losses.resolve(ctx, tenant_id, model, loss_id) if isinstance(loss_id, str) else None
-        check_forward_backward(req, ctx.served(model.base_model), ctx.settings.max_datums_per_request, program)
-        return ForwardBackward.build(batch_datums(req), forward_only=req.forward_only, loss_fn=req.loss_fn,
-                                     loss_config=req.loss_fn_config, custom_loss=program)
+        return await _batch_payload(ctx, tenant_id, model, req)
 
     return await queue_op(ctx, tenant_id, model, int(msg.seq_id), build)
+
+
+async def forward(ctx: Context, tenant_id: str, body: bytes, content_encoding: str | None) -> UntypedFuture:
+    """Older SDKs' POST /forward: a JSON ForwardRequest, run as a forward-only batch."""
+    limit = ctx.settings.max_request_bytes
+    if len(body) > limit:
+        raise PayloadTooLarge(f"request body of {len(body)} bytes exceeds the limit of {limit}")
+    return await _json_batch(ctx, tenant_id, body, content_encoding, forward_only=True)
+
+
+async def _json_batch(ctx: Context, tenant_id: str, body: bytes, content_encoding: str | None,
+                      forward_only: bool) -> UntypedFuture:
+    try:
+        msg = parse_json_forward_backward(decompress(body, content_encoding), forward_only)
+    except ProtoDecodeError as e:
+        raise BadRequest(str(e)) from e
+    model = await owned_model(ctx, tenant_id, msg.model_id)
+
+    async def build() -> Payload:
+        try:
+            req = decode_json_forward_backward(msg, forward_only)
+        except ProtoDecodeError as e:
+            raise BadRequest(str(e)) from e
+        return await _batch_payload(ctx, tenant_id, model, req)
+
+    return await queue_op(ctx, tenant_id, model, msg.seq_id, build)
+
+
+async def _batch_payload(ctx: Context, tenant_id: str, model: ModelRow, req: DecodedForwardBackward) -> Payload:
+    """The decoded batch (from protobuf or JSON) validated against the served model, as the engine-native job."""
+    loss_id = req.loss_fn_config.get("loss_id") if req.loss_fn == "custom" else None
+    # A custom loss travels in the job as its checked graph (404 unless this model's session created it).
+    program = await custom_losses.resolve(ctx, tenant_id, model, loss_id) if isinstance(loss_id, str) else None
+    check_forward_backward(req, ctx.served(model.base_model), ctx.settings.max_datums_per_request, program)
+    return ForwardBackward.build(batch_datums(req), forward_only=req.forward_only, loss_fn=req.loss_fn,
+                                 loss_config=req.loss_fn_config, custom_loss=program)
+
+
+def _is_json(content_type: str | None) -> bool:
+    return content_type is not None and content_type.split(";", 1)[0].strip().lower() == "application/json"
 
 
 async def optim_step(ctx: Context, tenant_id: str, req: OptimStepRequest) -> UntypedFuture:

@@ -16,10 +16,10 @@ from tests.support.process import ManagedProcess, free_port, quiet_env
 __all__ = ["ServerProcess", "WorkerProcess", "cli", "free_port"]
 
 
-def cli(*args: str, data_dir: Path, env: dict[str, str] | None = None) -> str:
-    """Run a `twinkle-server` subcommand; returns stdout."""
+def cli(*args: str, data_dir: Path, env: dict[str, str] | None = None, python: str = sys.executable) -> str:
+    """Run a `twinkle-server` subcommand (with `python`: another venv's, tests/compat); returns stdout."""
     out = subprocess.run(
-        [sys.executable, "-m", "deploy.cli", *args, "--data-dir", str(data_dir)],
+        [python, "-m", "deploy.cli", *args, "--data-dir", str(data_dir)],
         capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=120,
     )
     if out.returncode != 0:
@@ -37,20 +37,23 @@ def healthy(url: str) -> bool:
 class ServerProcess(ManagedProcess):
     what = "server"
 
-    def __init__(self, data_dir: Path, base_model: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, data_dir: Path, base_model: str, env: dict[str, str] | None = None,
+                 python: str = sys.executable) -> None:
         self.data_dir = data_dir
         self.base_model = base_model
         self.env = quiet_env(env)
+        self.python = python  # the server's interpreter: the test's own, or the project venv's (tests/compat)
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         super().__init__(data_dir / f"server-{self.port}.log")
 
     def create_key(self, tenant: str) -> str:
-        return cli("keys", "create", "--tenant", tenant, data_dir=self.data_dir, env=self.env).strip()
+        return cli("keys", "create", "--tenant", tenant, data_dir=self.data_dir, env=self.env,
+                   python=self.python).strip()
 
     def start(self, timeout: float = 180.0) -> ServerProcess:
         """Start (or, after `kill()`, restart on the same port) and wait for /healthz."""
-        self.launch([sys.executable, "-m", "deploy.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+        self.launch([self.python, "-m", "deploy.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
                      "--data-dir", str(self.data_dir), "--base-model", self.base_model], self.env)
         self.wait_until(lambda: healthy(f"{self.base_url}/api/v1/healthz"), timeout)
         return self

@@ -182,8 +182,11 @@ def test_each_route_family_takes_its_key_in_its_headers(gateway: Gateway) -> Non
         assert http.get("/v1/models", headers=headers).status_code == 200, headers
     r = http.get("/v1/models", headers={"Authorization": "Bearer ", "X-API-Key": key})  # a Bearer header wins
     assert (r.status_code, r.json()["detail"]) == (401, MISSING_OPENAI)
-    r = http.post("/api/v1/create_session", json={"tags": []}, headers={"Authorization": f"Bearer {key}"})
-    assert (r.status_code, r.json()["detail"]) == (401, MISSING)  # the Tinker routes: X-API-Key only
+    for headers in ({"Authorization": f"Bearer {key}"}, {"Twinkle-Authorization": f"Bearer {key}"}):
+        r = http.post("/api/v1/create_session", json={"tags": []}, headers=headers)  # older SDKs under twinkle-kit
+        assert r.status_code == 200, (headers, r.text)
+    r = http.post("/api/v1/create_session", json={"tags": []}, headers={"Authorization": f"Token {key}"})
+    assert (r.status_code, r.json()["detail"]) == (401, MISSING)  # the Tinker routes: X-API-Key or a Bearer key
     assert http.get("/healthz").status_code == 200  # no key needed
 
 
@@ -192,7 +195,9 @@ def test_api_key_reads_the_accepted_headers_in_order() -> None:
         return api_key([(k.replace("_", "-").encode(), v.encode()) for k, v in headers.items()], accepted)
 
     assert key(TINKER_KEY, x_api_key="tml-a", authorization="Bearer tml-b") == "tml-a"
-    assert key(TINKER_KEY, authorization="Bearer tml-b") is None
+    assert key(TINKER_KEY, authorization="Bearer tml-b") == "tml-b"
+    assert key(TINKER_KEY, twinkle_authorization="Bearer tml-c") == "tml-c"
+    assert key(TINKER_KEY, authorization="Basic abc") is None
     assert key(OPENAI_KEY, x_api_key="tml-a", authorization="Bearer tml-b") == "tml-b"
     assert key(OPENAI_KEY, x_api_key="tml-a", authorization="Token tml-b") == "tml-a"
     assert key(OPENAI_KEY, authorization="BEARER   tml-b  ") == "tml-b"

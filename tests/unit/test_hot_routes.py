@@ -119,6 +119,16 @@ def test_the_hot_lane_answers_what_fastapi_answers(gateways: tuple[Gateway, Gate
     both("/api/v1/retrieve_future", {"request_id": str(uuid.uuid4())})
     both("/api/v1/retrieve_future", {"request_id": 5})
     both("/api/v1/forward_backward", content=b"\x00not protobuf", **{"Content-Type": "application/x-protobuf"})
+    # the JSON body of older SDKs (0.16.1): a future, a rejection of its contents, a body without its batch
+    datum = {"model_input": {"chunks": [{"tokens": [5, 6, 7]}]},
+             "loss_fn_inputs": {"target_tokens": {"data": [6, 7, 8], "dtype": "int64", "shape": [3]},
+                                "weights": {"data": [1.0, 1.0, 1.0], "dtype": "float32", "shape": [3]}}}
+    batch = {"data": [datum], "loss_fn": "cross_entropy", "loss_fn_config": None}
+    both("/api/v1/forward_backward", {"model_id": "", "seq_id": 3, "forward_backward_input": batch},
+         ids=("request_id", "model_id"))
+    outside = {**datum, "model_input": {"chunks": [{"tokens": [5, 6, 5000]}]}}
+    both("/api/v1/forward_backward", {"model_id": "", "seq_id": 4, "forward_backward_input": {**batch, "data": [outside]}})
+    both("/api/v1/forward_backward", {"model_id": "", "seq_id": 5})
     both("/api/v1/asample", {"prompt": {"chunks": []}, "num_samples": 1, "sampling_params": {}})
     for g in (hot, plain):  # no key at all
         r = g.http.post("/api/v1/optim_step", json={"model_id": g.model_id, "seq_id": 2, "adam_params": ADAM})

@@ -3,7 +3,7 @@ of a sampling session since a cursor) and cancel_future."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Request, Response
 
 from api_schemas.tinker.futures import (
     CancelFutureRequest,
@@ -19,8 +19,8 @@ router = APIRouter()
 
 
 @router.post("/retrieve_future")
-async def retrieve_future(req: RetrieveFutureRequest, ctx: Ctx, tenant: Tenant) -> Response:
-    answer = await futures.retrieve(ctx, tenant, req.request_id)
+async def retrieve_future(req: RetrieveFutureRequest, request: Request, ctx: Ctx, tenant: Tenant) -> Response:
+    answer = await futures.retrieve(ctx, tenant, req.request_id, request.headers.get("accept"))
     return Response(content=answer.body, media_type=answer.media_type)
 
 

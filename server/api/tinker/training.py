@@ -1,4 +1,5 @@
-"""Training routes: forward_backward (protobuf body), optim_step, save/load weights. Each returns a future."""
+"""Training routes: forward_backward (protobuf body, or JSON from older SDKs), forward (older SDKs), optim_step,
+save/load weights. Each returns a future."""
 
 from __future__ import annotations
 
@@ -17,10 +18,21 @@ from server.services import training
 router = APIRouter()
 
 
-@router.post("/forward_backward", openapi_extra={"requestBody": {"content": {"application/x-protobuf": {}}}})
+@router.post("/forward_backward",
+             openapi_extra={"requestBody": {"content": {"application/x-protobuf": {}, "application/json": {}}}})
 async def forward_backward(request: Request, ctx: Ctx, tenant: Tenant) -> UntypedFuture:
+    """A protobuf ForwardBackwardRequest (SDK 0.38), or its JSON form (older SDKs, e.g. 0.16.1)."""
     body = await request.body()  # read by the gate, bounded by max_request_bytes (server/api/gate.py)
-    return await training.forward_backward(ctx, tenant, body, request.headers.get("content-encoding"))
+    return await training.forward_backward(ctx, tenant, body, request.headers.get("content-encoding"),
+                                           request.headers.get("content-type"))
+
+
+@router.post("/forward", openapi_extra={"requestBody": {"content": {"application/json": {}}}})
+async def forward(request: Request, ctx: Ctx, tenant: Tenant) -> UntypedFuture:
+    """Older SDKs' (0.16.1) forward: a JSON ForwardRequest (`forward_input`); 0.38 sends forward_backward with
+    forward_only instead."""
+    body = await request.body()
+    return await training.forward(ctx, tenant, body, request.headers.get("content-encoding"))
 
 
 @router.post("/optim_step")
