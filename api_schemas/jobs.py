@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from enum import Enum
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal
 
 import numpy as np
@@ -82,6 +82,16 @@ class CreateModel(_Frozen):
     optimizer: Literal["adamw"] = "adamw"
 
 
+def _array(a: np.ndarray) -> dict[str, Any]:
+    """An Array's fields from a numpy array: int64 or float32 (other integer / float dtypes are converted)."""
+    dtype = np.dtype("<i8") if a.dtype.kind in "iub" else np.dtype("<f4")
+    a = np.ascontiguousarray(a, dtype=dtype)
+    return {"dtype": "int64" if dtype.kind == "i" else "float32", "shape": a.shape, "data": a.tobytes()}
+
+
+_NUMPY: dict[str, np.dtype[Any]] = {"int64": np.dtype("<i8"), "float32": np.dtype("<f4")}
+
+
 class Array(_Frozen):
     """A dense tensor as bytes (little-endian, C order): how arrays cross the queue without a client's format."""
 
@@ -91,19 +101,54 @@ class Array(_Frozen):
 
     @classmethod
     def of(cls, a: np.ndarray) -> Array:
-        """int64 or float32 (other integer / float dtypes are converted)."""
-        dtype = np.dtype("<i8") if a.dtype.kind in "iub" else np.dtype("<f4")
-        a = np.ascontiguousarray(a, dtype=dtype)
-        return cls(dtype="int64" if dtype.kind == "i" else "float32", shape=a.shape, data=a.tobytes())
+        return cls(**_array(a))
 
     def numpy(self) -> np.ndarray:
         """A read-only view of the bytes (no copy)."""
-        return np.frombuffer(self.data, dtype="<i8" if self.dtype == "int64" else "<f4").reshape(self.shape)
+        return np.frombuffer(self.data, dtype=_NUMPY[self.dtype]).reshape(self.shape)
 
 
-class Datum(_Frozen):
-    tokens: Array  # int64 (n,): the model input
-    inputs: dict[str, Array]  # the loss's inputs by name ("target_tokens" (n,) or (n, k), "weights", "advantages", ...)
+class Column(_Frozen):
+    """One named array per datum, stored end to end: datum i's array has shape `shapes[i]` (None: that datum has
+    none) and starts where datum i-1's ended. One object for a whole batch, however many datums it has (building a
+    model per array costs more than the arrays on the per-step path); the layout is also Tinker's BatchedTensor."""
+
+    dtype: Literal["int64", "float32"]  # int64 when the first array is of integers, else float32 (all converted)
+    shapes: tuple[tuple[int, ...] | None, ...]
+    data: bytes
+
+    @classmethod
+    def of(cls, arrays: Sequence[np.ndarray | None]) -> Column:
+        first = next((a for a in arrays if a is not None), None)
+        dtype = np.dtype("<i8") if first is not None and first.dtype.kind in "iub" else np.dtype("<f4")
+        parts = [None if a is None else np.ascontiguousarray(a, dtype=dtype) for a in arrays]
+        return cls(dtype="int64" if dtype.kind == "i" else "float32",
+                   shapes=tuple(None if a is None else a.shape for a in parts),
+                   data=b"".join(a.tobytes() for a in parts if a is not None))
+
+    def arrays(self) -> list[np.ndarray | None]:
+        """Each datum's array: read-only views of the bytes (no copy)."""
+        flat = np.frombuffer(self.data, dtype=_NUMPY[self.dtype])
+        out: list[np.ndarray | None] = []
+        at = 0
+        for shape in self.shapes:
+            if shape is None:
+                out.append(None)
+                continue
+            n = int(np.prod(shape, dtype=np.int64))
+            out.append(flat[at : at + n].reshape(shape))
+            at += n
+        return out
+
+
+def _present(columns: Mapping[str, list[np.ndarray | None]], i: int) -> dict[str, np.ndarray]:
+    """Datum i's arrays of `columns` (Column.arrays() by name), leaving out the names it has none of."""
+    out = {}
+    for name, arrays in columns.items():
+        a = arrays[i]
+        if a is not None:
+            out[name] = a
+    return out
 
 
 class ForwardBackward(_Frozen):
@@ -119,16 +164,25 @@ class ForwardBackward(_Frozen):
     # loss_fn "custom": the checked graph its loss id names, resolved where the job was built (workers and replay
     # need no lookup, and a later change to the stored loss cannot change a queued job)
     custom_loss: CustomLossProgram | None = None
-    datums: tuple[Datum, ...]
+    model_input: Column  # int64 (n,) token ids per datum
+    loss_inputs: dict[str, Column]  # the loss's inputs by name ("target_tokens" (n,) or (n, k), "weights", ...)
     rows: int
     max_len: int
     tokens: int
 
     @classmethod
-    def build(cls, datums: Sequence[Datum], **fields: Any) -> ForwardBackward:
-        lengths = [d.tokens.shape[0] if d.tokens.shape else 0 for d in datums]
-        return cls(datums=tuple(datums), rows=len(lengths), max_len=max(lengths, default=0), tokens=sum(lengths),
-                   **fields)
+    def build(cls, datums: Sequence[tuple[np.ndarray, Mapping[str, np.ndarray]]], **fields: Any) -> ForwardBackward:
+        """The batch of `(tokens, loss inputs)` arrays, one per datum."""
+        lengths = [len(tokens) for tokens, _ in datums]
+        names = list(dict.fromkeys(k for _, inputs in datums for k in inputs))
+        return cls(**fields, model_input=Column.of([tokens for tokens, _ in datums]),
+                   loss_inputs={k: Column.of([inputs.get(k) for _, inputs in datums]) for k in names},
+                   rows=len(lengths), max_len=max(lengths, default=0), tokens=sum(lengths))
+
+    def datums(self) -> list[tuple[np.ndarray, dict[str, np.ndarray]]]:
+        """Each datum's (tokens, loss inputs), as read-only views."""
+        columns = {k: c.arrays() for k, c in self.loss_inputs.items()}
+        return [(t, _present(columns, i)) for i, t in enumerate(self.model_input.arrays()) if t is not None]
 
 
 class OptimStep(_Frozen):
@@ -279,8 +333,20 @@ class ModelReady(_Frozen):
 
 class ForwardBackwardResult(_Frozen):
     kind: Literal["forward_backward"] = "forward_backward"
-    outputs: tuple[dict[str, Array], ...]  # per datum, in order: "logprobs" (+ "elementwise_loss", ...)
+    outputs: dict[str, Column]  # per datum, in order: "logprobs" (+ "elementwise_loss", ...)
     metrics: dict[str, float]  # "name:reduction" keys; always "loss:sum"
+
+    @classmethod
+    def of(cls, outputs: Sequence[Mapping[str, np.ndarray]], metrics: Mapping[str, float]) -> ForwardBackwardResult:
+        """From each datum's output arrays (every datum has the same names)."""
+        names = list(outputs[0]) if outputs else []
+        return cls(outputs={k: Column.of([o[k] for o in outputs]) for k in names}, metrics=dict(metrics))
+
+    def datum_outputs(self) -> list[dict[str, np.ndarray]]:
+        """Each datum's outputs, as read-only views."""
+        columns = {k: c.arrays() for k, c in self.outputs.items()}
+        count = max((len(a) for a in columns.values()), default=0)
+        return [_present(columns, i) for i in range(count)]
 
 
 class OptimStepResult(_Frozen):

@@ -6,13 +6,16 @@ Uses the pinned SDK's `tinker_public_pb2`; the SDK ships only the client side of
 
 from __future__ import annotations
 
+import itertools
+import math
+import struct
 from dataclasses import dataclass
 
 import numpy as np
 import zstandard
 from tinker.proto import tinker_public_pb2 as pb
 
-from api_schemas.jobs import Array, Datum, SampleResult
+from api_schemas.jobs import ForwardBackwardResult, SampleResult
 
 _DTYPES: dict[int, np.dtype] = {
     pb.DTYPE_FLOAT32: np.dtype("<f4"),
@@ -133,33 +136,32 @@ def decode_forward_backward(msg: pb.ForwardBackwardRequest) -> DecodedForwardBac
     )
 
 
-def batch_datums(req: DecodedForwardBackward) -> list[Datum]:
-    """The request's datums as the engine-native job carries them."""
-    return [Datum(tokens=Array.of(d.tokens), inputs={k: Array.of(v) for k, v in d.inputs.items()}) for d in req.data]
+def batch_datums(req: DecodedForwardBackward) -> list[tuple[np.ndarray, dict[str, np.ndarray]]]:
+    """The request's datums as ForwardBackward.build takes them: (tokens, loss inputs)."""
+    return [(d.tokens, d.inputs) for d in req.data]
 
 
-def encode_forward_backward_output(outputs: list[dict[str, np.ndarray]], metrics: dict[str, float]) -> bytes:
-    """One ArrayRecord holding every datum's outputs, in request order."""
-    record = pb.ArrayRecord(type_tag="ArrayRecord", num_datums=len(outputs))
-    for name in outputs[0].keys() if outputs else ():
-        arrays = [np.ascontiguousarray(o[name]) for o in outputs]
-        is_int = np.issubdtype(arrays[0].dtype, np.integer)
-        dtype = np.dtype("<i8") if is_int else np.dtype("<f4")
-        arrays = [a.astype(dtype) for a in arrays]
-        trailing = list(arrays[0].shape[1:])
-        offsets = np.cumsum([0] + [a.nbytes for a in arrays]).astype("<i8")
-        record.fields[name].CopyFrom(
-            pb.BatchedTensor(
-                data=b"".join(a.tobytes() for a in arrays),
-                offsets=offsets.tobytes(),
-                dtype=pb.DTYPE_INT64 if is_int else pb.DTYPE_FLOAT32,
-                trailing_shape=trailing,
-            )
+def encode_forward_backward_result(result: ForwardBackwardResult) -> bytes:
+    """A typed forward/backward result as the SDK's ForwardBackwardOutput: one ArrayRecord holding every datum's
+    outputs, in request order. Each output Column already is a BatchedTensor's bytes (no copy through numpy); this
+    runs on the gateway's event loop for every training step, so it stays in plain Python (numpy calls on lists
+    this small cost more than the encoding)."""
+    count = max((len(c.shapes) for c in result.outputs.values()), default=0)
+    fields = {}
+    for name, column in result.outputs.items():
+        itemsize = 8 if column.dtype == "int64" else 4
+        sizes = [0 if shape is None else math.prod(shape) * itemsize for shape in column.shapes]
+        first = next((shape for shape in column.shapes if shape is not None), ())
+        fields[name] = pb.BatchedTensor(
+            data=column.data,
+            offsets=struct.pack(f"<{len(sizes) + 1}q", 0, *itertools.accumulate(sizes)),
+            dtype=pb.DTYPE_INT64 if column.dtype == "int64" else pb.DTYPE_FLOAT32,
+            trailing_shape=list(first[1:]),
         )
-    out = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=[record])
-    for k, v in metrics.items():
-        out.metrics[k] = float(v)
-    return out.SerializeToString()
+    record = pb.ArrayRecord(type_tag="ArrayRecord", num_datums=count, fields=fields)
+    metrics = {k: float(v) for k, v in result.metrics.items()}
+    return pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=[record],
+                                    metrics=metrics).SerializeToString()
 
 
 def _topk(ids: np.ndarray, lps: np.ndarray) -> pb.TopkLogprobs:

@@ -24,7 +24,7 @@ from api_schemas.jobs import (
     Skipped,
 )
 from api_schemas.tinker.json_batch import forward_backward_output_json, sample_response_json
-from api_schemas.tinker.proto import encode_forward_backward_output, encode_sample_response
+from api_schemas.tinker.proto import encode_forward_backward_result, encode_sample_response
 
 JSON, PROTOBUF = "application/json", "application/x-protobuf"
 SAVE_TYPES = {"weights": "save_weights", "sampler_weights": "save_weights_for_sampler",
@@ -54,10 +54,10 @@ def encode_result(kind: ResultKind, output: Output, saved: SavedAs | None = None
                   json_only: bool = False) -> tuple[str, bytes]:
     """(media type, body) of a successful job's result; `json_only`: the client reads no protobuf."""
     if isinstance(output, ForwardBackwardResult):
-        outputs = [{name: a.numpy() for name, a in o.items()} for o in output.outputs]
         if json_only:
+            outputs = output.datum_outputs()
             return JSON, json.dumps(forward_backward_output_json(outputs, output.metrics)).encode()
-        return PROTOBUF, encode_forward_backward_output(outputs, output.metrics)
+        return PROTOBUF, encode_forward_backward_result(output)
     if isinstance(output, SampleResult):
         if json_only:
             return JSON, json.dumps(sample_response_json(output)).encode()

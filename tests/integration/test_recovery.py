@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from api_schemas.jobs import (
-    AdamW, Array, CreateModel, Datum, ForwardBackward, Job, JobResult, LoadWeights, LoraSpec, OptimStep, SaveWeights, queue_name,
+    AdamW, CreateModel, ForwardBackward, Job, JobResult, LoadWeights, LoraSpec, OptimStep, SaveWeights, queue_name,
 )
 from jobqueue.redis_queue import RedisQueue
 from workers.checkpoints.store import CheckpointStore
@@ -37,8 +37,7 @@ def fb_payload(step: int) -> ForwardBackward:
     for _ in range(2):
         tokens = rng.integers(5, 200, size=9)
         n = len(tokens) - 1
-        datums.append(Datum(tokens=Array.of(tokens[:-1]), inputs={
-            "target_tokens": Array.of(tokens[1:]), "weights": Array.of(np.ones(n, "<f4"))}))
+        datums.append((tokens[:-1], {"target_tokens": tokens[1:], "weights": np.ones(n, "<f4")}))
     return ForwardBackward.build(datums, forward_only=False, loss_fn="cross_entropy")
 
 

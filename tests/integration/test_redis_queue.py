@@ -12,8 +12,7 @@ import numpy as np
 
 from api_schemas.jobs import (
     AdamW,
-    Array,
-    Datum,
+    Column,
     ErrorCategory,
     ForwardBackward,
     ForwardBackwardResult,
@@ -62,8 +61,8 @@ def make(redis_url: str, prefix: str, **kw: float) -> RedisQueue:
 def test_submit_fetch_complete_roundtrip_keeps_bytes(redis_url: str, prefix: str) -> None:
     async def go() -> None:
         q = make(redis_url, prefix)
-        datum = Datum(tokens=Array.of(np.arange(5)), inputs={"target_tokens": Array.of(np.arange(1, 6))})
-        fb = ForwardBackward.build([datum], forward_only=True, loss_fn="cross_entropy")
+        fb = ForwardBackward.build([(np.arange(5), {"target_tokens": np.arange(1, 6)})], forward_only=True,
+                                   loss_fn="cross_entropy")
         j = job().model_copy(update={"payload": fb})
         assert await q.submit(j) == j.job_id
         assert (await q.info(j.job_id)).state is JobState.QUEUED  # type: ignore[union-attr]
@@ -71,8 +70,8 @@ def test_submit_fetch_complete_roundtrip_keeps_bytes(redis_url: str, prefix: str
         assert [g.job_id for g in got] == [j.job_id] and got[0] == j
         assert (await q.info(j.job_id)).state is JobState.QUEUED  # type: ignore[union-attr]  # read = running
         raw = bytes(range(256)) * 3  # not UTF-8: arrays travel as bytes inside the typed output
-        logprobs = Array(dtype="float32", shape=(len(raw) // 4,), data=raw)
-        out = ForwardBackwardResult(outputs=({"logprobs": logprobs},), metrics={"loss:sum": float("nan")})
+        logprobs = Column(dtype="float32", shapes=((len(raw) // 4,),), data=raw)
+        out = ForwardBackwardResult(outputs={"logprobs": logprobs}, metrics={"loss:sum": float("nan")})
         await q.complete(JobResult(job_id=j.job_id, output=out), job=j)
         info = await q.info(j.job_id)
         assert info is not None and info.state is JobState.DONE and info.tenant_id == "t1"
@@ -80,7 +79,7 @@ def test_submit_fetch_complete_roundtrip_keeps_bytes(redis_url: str, prefix: str
         for _ in range(2):  # a result may be fetched more than once
             res = await q.wait_result(j.job_id, timeout=1)
             assert res is not None and isinstance(res.output, ForwardBackwardResult)
-            assert res.output.outputs[0]["logprobs"].data == raw and np.isnan(res.output.metrics["loss:sum"])
+            assert res.output.outputs["logprobs"].data == raw and np.isnan(res.output.metrics["loss:sum"])
             assert res.body == JobResult(job_id=j.job_id, output=out).body
         assert await q.client.xlen(q.keys.stream(Q)) == 0  # acknowledged entries are deleted
         assert await q.fetch(Q, timeout=0.2) == []

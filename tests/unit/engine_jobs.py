@@ -8,9 +8,7 @@ import numpy as np
 
 from api_schemas.jobs import (
     AdamW,
-    Array,
     CreateModel,
-    Datum,
     ForwardBackward,
     ForwardBackwardResult,
     Job,
@@ -42,8 +40,7 @@ def fb(model_id: str, seq: int, rows: list[list[int]], *, forward_only: bool = F
     for tokens in rows:
         n = len(tokens) - 1
         w = np.linspace(0.5, 1.5, n).astype("<f4") * weights
-        datums.append(Datum(tokens=Array.of(np.asarray(tokens[:-1])), inputs={
-            "target_tokens": Array.of(np.asarray(tokens[1:])), "weights": Array.of(w)}))
+        datums.append((np.asarray(tokens[:-1]), {"target_tokens": np.asarray(tokens[1:]), "weights": w}))
     batch = ForwardBackward.build(datums, forward_only=forward_only, loss_fn="cross_entropy")
     return job(model_id, seq, batch, tenant)
 

@@ -55,7 +55,7 @@ def test_custom_losses_in_a_merged_step(tiny_model_dir: Path, tmp_path: Path) ->
     assert _rel(_grads(t, "d"), solo["d"][1]) < 1e-9  # the other tenants are untouched
     output, batch = a.output, plain["a"].payload
     assert isinstance(output, ForwardBackwardResult) and isinstance(batch, ForwardBackward)
-    assert output.metrics["custom/tokens:sum"] == sum(d.tokens.shape[0] for d in batch.datums)
+    assert output.metrics["custom/tokens:sum"] == sum(len(tokens) for tokens, _ in batch.datums())
     for r, why in ((b, "exceeds the limit"), (c, "not finite")):
         assert not r.ok and r.error is not None and r.error.category.value == "user" and why in r.error.message
     assert all(g is None for g in t.pool.get("b").grads) and all(g is None for g in t.pool.get("c").grads)

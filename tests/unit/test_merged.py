@@ -60,7 +60,7 @@ def _step(t: Trainer, jobs: list[Job]) -> list[JobResult]:
 def _logprobs(r: JobResult) -> np.ndarray:
     """Every datum's logprobs of a forward_backward result, concatenated (float32, as the result carries them)."""
     assert isinstance(r.output, ForwardBackwardResult)
-    return np.concatenate([o["logprobs"].numpy().ravel() for o in r.output.outputs])
+    return np.concatenate([o["logprobs"].ravel() for o in r.output.datum_outputs()])
 
 
 def _jobs(seed: int, seq: int = 3) -> list[Job]:

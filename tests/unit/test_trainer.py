@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from api_schemas.jobs import AdamW, Array, CreateModel, Datum, ForwardBackward, Job, LoraSpec, OptimStep
+from api_schemas.jobs import AdamW, CreateModel, ForwardBackward, Job, LoraSpec, OptimStep
 from workers.checkpoints.store import CheckpointStore
 from workers.engine.base_model import BaseModel
 from workers.engine.trainer import Trainer
@@ -22,8 +22,7 @@ def _job(model_id: str, seq: int, payload) -> Job:  # type: ignore[no-untyped-de
 
 def _fb(model_id: str, seq: int, tokens: list[int], weight: float = 1.0) -> Job:
     n = len(tokens) - 1
-    datum = Datum(tokens=Array.of(np.asarray(tokens[:-1])), inputs={
-        "target_tokens": Array.of(np.asarray(tokens[1:])), "weights": Array.of(np.full(n, weight, "<f4"))})
+    datum = (np.asarray(tokens[:-1]), {"target_tokens": np.asarray(tokens[1:]), "weights": np.full(n, weight, "<f4")})
     return _job(model_id, seq, ForwardBackward.build([datum], forward_only=False, loss_fn="cross_entropy"))
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from api_schemas.jobs import Array, Datum, ForwardBackward, ForwardBackwardResult, Job, JobResult
+from api_schemas.jobs import ForwardBackward, ForwardBackwardResult, Job, JobResult
 from workers.engine.adapter_pool import Adapter, AdapterError, AdapterPool
 from workers.engine.base_model import BaseModel
 from workers.engine.errors import UserJobError, failure
@@ -51,15 +51,15 @@ class _Datum:
     inputs: dict[str, np.ndarray]
 
     @classmethod
-    def of(cls, d: Datum) -> _Datum:
-        return cls(d.tokens.numpy(), {k: a.numpy().copy() for k, a in d.inputs.items()})  # writable for torch
+    def of(cls, tokens: np.ndarray, inputs: dict[str, np.ndarray]) -> _Datum:
+        return cls(tokens, {k: a.copy() for k, a in inputs.items()})  # writable copies for torch
 
 
 def batch_of(job: Job) -> ForwardBackward:
     p = job.payload
     if not isinstance(p, ForwardBackward):
         raise UserJobError(f"{p.kind} is not a forward/forward_backward job")
-    if not p.datums:
+    if not p.rows:
         raise UserJobError("forward_backward needs at least one datum")
     return p
 
@@ -85,7 +85,7 @@ class MergedPass:
         for job in jobs:
             try:
                 req = batch_of(job)
-                data = [_Datum.of(d) for d in req.datums]
+                data = [_Datum.of(tokens, inputs) for tokens, inputs in req.datums()]
                 _check_targets(data)
                 if job.model_id not in self.pool.adapters:
                     raise AdapterError(f"model {job.model_id} is not loaded on this worker")
@@ -195,5 +195,5 @@ def _check_targets(data: list[_Datum]) -> None:
 
 
 def _result(job: Job, out: LossOutput) -> JobResult:
-    outputs = tuple({k: Array.of(v.detach().cpu().numpy()) for k, v in o.items()} for o in out.outputs)
-    return JobResult(job_id=job.job_id, output=ForwardBackwardResult(outputs=outputs, metrics=out.metrics))
+    outputs = [{k: v.detach().cpu().numpy() for k, v in o.items()} for o in out.outputs]
+    return JobResult(job_id=job.job_id, output=ForwardBackwardResult.of(outputs, out.metrics))
