@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.server import ServerProcess
+from tests.support.server import ServerProcess, add_server_log, two_tenant_server
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVER_PYTHON = os.environ.get("TWINKLE_SERVER_PYTHON") or str(ROOT / ".venv" / "bin" / "python")
@@ -26,11 +26,7 @@ _BUILD = ("import sys; from pathlib import Path; from tests.support.tiny_model i
 def compat_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     model = tmp_path_factory.mktemp("tiny-model") / "model"
     subprocess.run([SERVER_PYTHON, "-c", _BUILD, str(model)], cwd=ROOT, check=True, timeout=300)
-    srv = ServerProcess(tmp_path_factory.mktemp("server"), str(model), env={"TWINKLE_AUTH_CACHE_SECONDS": "1"},
-                        python=SERVER_PYTHON)
-    srv.api_key_a = srv.create_key("tenant-a")  # type: ignore[attr-defined]
-    srv.api_key_b = srv.create_key("tenant-b")  # type: ignore[attr-defined]
-    srv.start()
+    srv = two_tenant_server(tmp_path_factory.mktemp("server"), str(model), python=SERVER_PYTHON)
     yield srv
     srv.stop()
 
@@ -38,7 +34,4 @@ def compat_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPr
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
     outcome = yield
-    report = outcome.get_result()
-    srv = item.funcargs.get("compat_server") if hasattr(item, "funcargs") else None
-    if report.failed and isinstance(srv, ServerProcess):
-        report.sections.append(("server log", srv.log()))
+    add_server_log(item, outcome.get_result(), "compat_server")

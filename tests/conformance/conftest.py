@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.server import ServerProcess
+from tests.support.server import ServerProcess, add_server_log, two_tenant_server
 from tests.support.tiny_model import build_tiny_model
 
 
@@ -22,10 +22,7 @@ def server_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFact
 
 @pytest.fixture(scope="session")
 def server(server_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    srv = ServerProcess(tmp_path_factory.mktemp("server"), str(server_model_dir), env={"TWINKLE_AUTH_CACHE_SECONDS": "1"})
-    srv.api_key_a = srv.create_key("tenant-a")  # type: ignore[attr-defined]
-    srv.api_key_b = srv.create_key("tenant-b")  # type: ignore[attr-defined]
-    srv.start()
+    srv = two_tenant_server(tmp_path_factory.mktemp("server"), str(server_model_dir))
     yield srv
     srv.stop()
 
@@ -33,7 +30,4 @@ def server(server_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
     outcome = yield
-    report = outcome.get_result()
-    srv = item.funcargs.get("server") if hasattr(item, "funcargs") else None
-    if report.failed and isinstance(srv, ServerProcess):
-        report.sections.append(("server log", srv.log()))
+    add_server_log(item, outcome.get_result(), "server")

@@ -95,3 +95,21 @@ class WorkerProcess(ManagedProcess):
             f.seek(self._mark)
             lines = f.read().decode(errors="replace").splitlines()
         return any(self.READY in line and line.endswith("|train") for line in lines)
+
+
+def two_tenant_server(data_dir: Path, base_model: str, python: str = sys.executable) -> ServerProcess:
+    """A started server with keys of two tenants (`api_key_a`, `api_key_b`); keys are re-checked every second."""
+    srv = ServerProcess(data_dir, base_model, env={"TWINKLE_AUTH_CACHE_SECONDS": "1"}, python=python)
+    srv.api_key_a = srv.create_key("tenant-a")  # type: ignore[attr-defined]
+    srv.api_key_b = srv.create_key("tenant-b")  # type: ignore[attr-defined]
+    srv.start()
+    return srv
+
+
+def add_server_log(item: object, report: object, fixture: str) -> None:
+    """In a conftest's pytest_runtest_makereport: a failed test's report gets the log of its `fixture` server."""
+    funcargs = getattr(item, "funcargs", {})
+    srv = funcargs.get(fixture)
+    if getattr(report, "failed", False) and isinstance(srv, ServerProcess):
+        report.sections.append(("server log", srv.log()))  # type: ignore[attr-defined]
+
