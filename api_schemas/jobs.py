@@ -3,19 +3,20 @@
 This is the engine-native contract: typed batches, optimizer steps, saves and samples going down, typed results
 coming back. No client's wire format appears here; each edge of the gateway (Tinker, native, OpenAI) converts
 its requests into these jobs and their results back, once. Jobs are frozen: once the gateway has validated and
-queued one, nothing may change it. Arrays travel as bytes (`Array`), base64 in JSON.
+queued one, nothing may change it. Arrays travel as bytes (api_schemas/arrays.py), base64 in JSON.
 """
 
 from __future__ import annotations
 
 import hashlib
-from enum import Enum
 from collections.abc import Mapping, Sequence
+from enum import Enum
 from typing import Annotated, Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
+from api_schemas.arrays import Array, Column, present
 from api_schemas.custom_loss import CustomLossProgram
 
 
@@ -82,75 +83,6 @@ class CreateModel(_Frozen):
     optimizer: Literal["adamw"] = "adamw"
 
 
-def _array(a: np.ndarray) -> dict[str, Any]:
-    """An Array's fields from a numpy array: int64 or float32 (other integer / float dtypes are converted)."""
-    dtype = np.dtype("<i8") if a.dtype.kind in "iub" else np.dtype("<f4")
-    a = np.ascontiguousarray(a, dtype=dtype)
-    return {"dtype": "int64" if dtype.kind == "i" else "float32", "shape": a.shape, "data": a.tobytes()}
-
-
-_NUMPY: dict[str, np.dtype[Any]] = {"int64": np.dtype("<i8"), "float32": np.dtype("<f4")}
-
-
-class Array(_Frozen):
-    """A dense tensor as bytes (little-endian, C order): how arrays cross the queue without a client's format."""
-
-    dtype: Literal["int64", "float32"]
-    shape: tuple[int, ...]
-    data: bytes
-
-    @classmethod
-    def of(cls, a: np.ndarray) -> Array:
-        return cls(**_array(a))
-
-    def numpy(self) -> np.ndarray:
-        """A read-only view of the bytes (no copy)."""
-        return np.frombuffer(self.data, dtype=_NUMPY[self.dtype]).reshape(self.shape)
-
-
-class Column(_Frozen):
-    """One named array per datum, stored end to end: datum i's array has shape `shapes[i]` (None: that datum has
-    none) and starts where datum i-1's ended. One object for a whole batch, however many datums it has (building a
-    model per array costs more than the arrays on the per-step path); the layout is also Tinker's BatchedTensor."""
-
-    dtype: Literal["int64", "float32"]  # int64 when the first array is of integers, else float32 (all converted)
-    shapes: tuple[tuple[int, ...] | None, ...]
-    data: bytes
-
-    @classmethod
-    def of(cls, arrays: Sequence[np.ndarray | None]) -> Column:
-        first = next((a for a in arrays if a is not None), None)
-        dtype = np.dtype("<i8") if first is not None and first.dtype.kind in "iub" else np.dtype("<f4")
-        parts = [None if a is None else np.ascontiguousarray(a, dtype=dtype) for a in arrays]
-        return cls(dtype="int64" if dtype.kind == "i" else "float32",
-                   shapes=tuple(None if a is None else a.shape for a in parts),
-                   data=b"".join(a.tobytes() for a in parts if a is not None))
-
-    def arrays(self) -> list[np.ndarray | None]:
-        """Each datum's array: read-only views of the bytes (no copy)."""
-        flat = np.frombuffer(self.data, dtype=_NUMPY[self.dtype])
-        out: list[np.ndarray | None] = []
-        at = 0
-        for shape in self.shapes:
-            if shape is None:
-                out.append(None)
-                continue
-            n = int(np.prod(shape, dtype=np.int64))
-            out.append(flat[at : at + n].reshape(shape))
-            at += n
-        return out
-
-
-def _present(columns: Mapping[str, list[np.ndarray | None]], i: int) -> dict[str, np.ndarray]:
-    """Datum i's arrays of `columns` (Column.arrays() by name), leaving out the names it has none of."""
-    out = {}
-    for name, arrays in columns.items():
-        a = arrays[i]
-        if a is not None:
-            out[name] = a
-    return out
-
-
 class ForwardBackward(_Frozen):
     """A training batch: forward (and, unless forward_only, backward) of a model's datums under one loss.
 
@@ -182,7 +114,7 @@ class ForwardBackward(_Frozen):
     def datums(self) -> list[tuple[np.ndarray, dict[str, np.ndarray]]]:
         """Each datum's (tokens, loss inputs), as read-only views."""
         columns = {k: c.arrays() for k, c in self.loss_inputs.items()}
-        return [(t, _present(columns, i)) for i, t in enumerate(self.model_input.arrays()) if t is not None]
+        return [(t, present(columns, i)) for i, t in enumerate(self.model_input.arrays()) if t is not None]
 
 
 class OptimStep(_Frozen):
@@ -346,7 +278,7 @@ class ForwardBackwardResult(_Frozen):
         """Each datum's outputs, as read-only views."""
         columns = {k: c.arrays() for k, c in self.outputs.items()}
         count = max((len(a) for a in columns.values()), default=0)
-        return [_present(columns, i) for i in range(count)]
+        return [present(columns, i) for i in range(count)]
 
 
 class OptimStepResult(_Frozen):

@@ -6,13 +6,12 @@ import asyncio
 import time
 import uuid
 
+import numpy as np
 import pytest
 
-import numpy as np
-
+from api_schemas.arrays import Column
 from api_schemas.jobs import (
     AdamW,
-    Column,
     ErrorCategory,
     ForwardBackward,
     ForwardBackwardResult,

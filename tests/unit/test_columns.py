@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 from tinker.proto import tinker_public_pb2 as pb
 
-from api_schemas.jobs import Column, ForwardBackward, ForwardBackwardResult, JobResult
+from api_schemas.arrays import Column
+from api_schemas.jobs import ForwardBackward, ForwardBackwardResult, JobResult
 from api_schemas.tinker.proto import encode_forward_backward_result
 
 

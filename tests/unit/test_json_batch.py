@@ -10,7 +10,8 @@ import pytest
 from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
-from api_schemas.jobs import Array, ResultKind, SampledSequence, SampleResult
+from api_schemas.arrays import Array
+from api_schemas.jobs import ResultKind, SampledSequence, SampleResult
 from api_schemas.tinker.json_batch import (
     decode_json_forward_backward,
     forward_backward_output_json,

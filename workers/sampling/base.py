@@ -27,7 +27,8 @@ from typing import Literal
 
 import numpy as np
 
-from api_schemas.jobs import Array, Sample, SampledSequence, SampleResult
+from api_schemas.arrays import Array
+from api_schemas.jobs import Sample, SampledSequence, SampleResult
 
 TOPK_EMPTY_LOGPROB = -99999.0
 
