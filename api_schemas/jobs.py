@@ -302,12 +302,15 @@ class SampledSequence(_Frozen):
     topk_logprobs: Array | None = None  # (len(tokens), k) float32
 
 
+TOPK_EMPTY_LOGPROB = -99999.0  # the logprob of an empty top-k slot (its token id is 0)
+
+
 class SampleResult(_Frozen):
     kind: Literal["sample"] = "sample"
     sequences: tuple[SampledSequence, ...] = ()
     prompt_logprobs: Array | None = None  # (len(prompt),) float32, NaN where not scored
     topk_prompt_ids: Array | None = None  # (len(prompt), k) int64, 0 in empty slots
-    topk_prompt_logprobs: Array | None = None  # (len(prompt), k) float32, -99999.0 in empty slots
+    topk_prompt_logprobs: Array | None = None  # (len(prompt), k) float32, TOPK_EMPTY_LOGPROB in empty slots
     prompt_cache_hit_tokens: int = 0
 
 

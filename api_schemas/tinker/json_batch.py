@@ -17,7 +17,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from api_schemas.jobs import SampleResult
+from api_schemas.jobs import TOPK_EMPTY_LOGPROB, SampleResult
 from api_schemas.tinker.proto import DecodedDatum, DecodedForwardBackward, ProtoDecodeError
 
 _DTYPES = {"int64": np.dtype(np.int64), "float32": np.dtype(np.float32)}
@@ -133,16 +133,13 @@ def _finite_or_none(values: np.ndarray) -> list[float | None]:
     return [float(v) if math.isfinite(v) else None for v in values.astype(np.float64).tolist()]
 
 
-MASK_LOGPROB = -99999.0  # an empty top-k slot (id 0), as the SDK's topk_to_lists reads it
-
-
 def _topk_json(ids: np.ndarray, lps: np.ndarray) -> list[list[tuple[int, float]] | None]:
     """Per prompt position its (id, logprob) pairs without the trailing empty slots, None for an all-empty one
     (what 0.38.0 makes of the protobuf's matrices)."""
     rows: list[list[tuple[int, float]] | None] = []
     for row_ids, row_lps in zip(ids.tolist(), lps.tolist(), strict=True):
         pairs = [(int(t), float(lp)) for t, lp in zip(row_ids, row_lps, strict=True)]
-        while pairs and pairs[-1][0] == 0 and pairs[-1][1] == MASK_LOGPROB:
+        while pairs and pairs[-1][0] == 0 and pairs[-1][1] == TOPK_EMPTY_LOGPROB:
             pairs.pop()
         rows.append(pairs or None)
     return rows

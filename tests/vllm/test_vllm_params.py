@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from api_schemas.jobs import WeightsRef
+from api_schemas.jobs import TOPK_EMPTY_LOGPROB, WeightsRef
 from tests.vllm.conftest import MAX_LOADED, EngineHarness
 from tests.vllm.helpers import PROMPT, decode, reference_greedy, reference_logprobs, save_adapter, spec, topk
-from workers.sampling.base import TOPK_EMPTY_LOGPROB, SamplerUserError
+from workers.sampling.base import SamplerUserError
 
 pytestmark = pytest.mark.vllm
 

@@ -30,8 +30,6 @@ import numpy as np
 from api_schemas.arrays import Array
 from api_schemas.jobs import Sample, SampledSequence, SampleResult
 
-TOPK_EMPTY_LOGPROB = -99999.0
-
 
 class SamplerUserError(ValueError):
     """The request cannot be served because of what the user sent (missing weights, prompt too long, ...)."""

@@ -11,8 +11,8 @@ from typing import Literal
 import numpy as np
 import torch
 
-from api_schemas.jobs import Sample, SampleResult
-from workers.sampling.base import TOPK_EMPTY_LOGPROB, SampleOutput, SequenceOut
+from api_schemas.jobs import TOPK_EMPTY_LOGPROB, Sample, SampleResult
+from workers.sampling.base import SampleOutput, SequenceOut
 from workers.sampling.select import Detokenizer, StopRule
 
 

@@ -30,8 +30,8 @@ from workers.sampling.base import (
     SamplerBackend,
     SamplerConfig,
     SamplerUserError,
-    to_result,
     eos_token_ids,
+    to_result,
 )
 from workers.sampling.kv_batch import KVBatch
 from workers.sampling.requests import ActiveRequest, Row, prompt_scores

@@ -21,8 +21,8 @@ import numpy as np
 from vllm import SamplingParams
 from vllm.sampling_params import RequestOutputKind
 
-from api_schemas.jobs import Sample
-from workers.sampling.base import TOPK_EMPTY_LOGPROB, SampleOutput, SequenceOut
+from api_schemas.jobs import TOPK_EMPTY_LOGPROB, Sample
+from workers.sampling.base import SampleOutput, SequenceOut
 from workers.sampling.select import Detokenizer, StopRule
 
 
