@@ -37,6 +37,12 @@ class LoraSpec(_Frozen):
     train_attn: bool = True
     train_mlp: bool = True
     train_unembed: bool = True
+    # The native client's LoraConfig (the Tinker SDK sends none of these): the scale's alpha (None: the server's
+    # default), rsLoRA (alpha / sqrt(rank) instead of alpha / rank), and the targeted layers by name suffix
+    # (e.g. q_proj, down_proj) instead of the three groups above (None: the groups).
+    alpha: float | None = None
+    rslora: bool = False
+    modules: tuple[str, ...] | None = None
 
 
 class AdamW(_Frozen):
@@ -62,19 +68,32 @@ class SGD(_Frozen):
     grad_clip_norm: float = 0.0
 
 
-Optimizer = Annotated[AdamW | SGD, Field(discriminator="kind")]
+class Adam(_Frozen):
+    """torch.optim.Adam's update: weight decay as L2 (added to the clipped gradient), not decoupled as AdamW's."""
+
+    kind: Literal["adam"] = "adam"
+    learning_rate: float
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
+
+
+Optimizer = Annotated[AdamW | Adam | SGD, Field(discriminator="kind")]
 
 
 class LRSchedule(_Frozen):
     """Scales the step's learning rate by where the model is in its schedule (the engine counts the steps).
 
-    factor(step) = step / warmup_steps during warm-up, then 1 (constant), a linear decay or a half cosine from 1
-    down to `min_ratio` at `total_steps` (and `min_ratio` after it)."""
+    factor(step) = step / warmup_steps during warm-up, then 1 (constant), a linear decay or a half cosine from
+    `start_ratio` down (or up) to `min_ratio` at `total_steps` (and `min_ratio` after it)."""
 
     kind: Literal["constant", "linear", "cosine"] = "constant"
     warmup_steps: int = 0
     total_steps: int | None = None  # needed by linear and cosine
-    min_ratio: float = 0.0
+    min_ratio: float = 0.0  # the factor at total_steps
+    start_ratio: float = 1.0  # the factor where the decay starts (torch's LinearLR start_factor)
 
 
 class CreateModel(_Frozen):
@@ -121,6 +140,9 @@ class OptimStep(_Frozen):
     kind: Literal["optim_step"] = "optim_step"
     optimizer: Optimizer
     schedule: LRSchedule | None = None  # None: the optimizer's learning_rate as it is
+    # The accumulated gradients are multiplied by this before clipping and the update (the native protocol's
+    # gradient accumulation divides a window's summed gradients by its token count).
+    grad_scale: float = 1.0
 
 
 class SaveWeights(_Frozen):

@@ -180,7 +180,7 @@ def test_routed_lora_term_equals_each_route_alone(tokens: int) -> None:
     layer = LoraLinear(torch.nn.Linear(12, 20, dtype=torch.float64))
     gen = torch.Generator().manual_seed(1)
     for name, rank in (("a", 4), ("b", 2)):
-        layer.add_adapter(name, rank, alpha=2.0 * rank, generator=gen)
+        layer.add_adapter(name, rank, scale=2.0, generator=gen)
         with torch.no_grad():
             layer.lora_B[name].normal_(generator=gen)
     routes = [Route("a", 0, 2), Route(None, 2, 3), Route("b", 3, 4), Route("other", 4, 5), Route("a", 5, 6)]

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from api_schemas.jobs import LoraSpec
 from workers.engine.base_model import BaseModel
-from workers.engine.multi_lora import target_module_names
+from workers.engine.multi_lora import lora_scale, target_module_names
 from workers.engine.optim_state import OptimState
 from workers.engine.paging import DEVICE, Pager, PagingConfig
 
@@ -83,7 +83,9 @@ class AdapterPool:
                 a.pins -= 1
             self.settle()
 
-    def create(self, model_id: str, spec: LoraSpec, alpha: float = LORA_ALPHA, tenant_id: str = "") -> Adapter:
+    def create(self, model_id: str, spec: LoraSpec, alpha: float | None = None, tenant_id: str = "") -> Adapter:
+        """A new adapter; its alpha is `alpha` (a checkpoint's), else the spec's, else LORA_ALPHA."""
+        alpha = alpha if alpha is not None else spec.alpha if spec.alpha is not None else LORA_ALPHA
         self.drop(model_id)
         modules = self.create_modules(spec)
         if not modules:
@@ -92,7 +94,7 @@ class AdapterPool:
         params: list[torch.Tensor] = []
         for name in modules:
             layer = self.base.layers[name]
-            layer.add_adapter(model_id, spec.rank, alpha, gen)
+            layer.add_adapter(model_id, spec.rank, lora_scale(alpha, spec.rank, spec.rslora), gen)
             params += [layer.lora_A[model_id], layer.lora_B[model_id]]
         adapter = Adapter(model_id, spec, alpha, modules, params, [None] * len(params), tenant_id=tenant_id)
         self.adapters[model_id] = adapter
@@ -133,6 +135,7 @@ class AdapterPool:
             "r": adapter.spec.rank,
             "lora_alpha": adapter.alpha,
             "lora_dropout": 0.0,
+            "use_rslora": adapter.spec.rslora,
             "bias": "none",
             "fan_in_fan_out": False,
             "target_modules": suffixes,
@@ -182,5 +185,6 @@ class AdapterPool:
         self.pager.enforce(self.adapters.values())
 
     def create_modules(self, spec: LoraSpec) -> list[str]:
-        suffixes = set(target_module_names(spec.train_attn, spec.train_mlp, spec.train_unembed))
+        suffixes = set(spec.modules if spec.modules is not None
+                       else target_module_names(spec.train_attn, spec.train_mlp, spec.train_unembed))
         return sorted(n for n in self.base.layers if n.rsplit(".", 1)[-1] in suffixes)

@@ -77,7 +77,8 @@ class LoraLinear(nn.Module):
     def weight(self) -> torch.Tensor:  # some HF code reads lm_head.weight (e.g. for tied embeddings)
         return self.base.weight
 
-    def add_adapter(self, adapter_id: str, rank: int, alpha: float, generator: torch.Generator) -> None:
+    def add_adapter(self, adapter_id: str, rank: int, scale: float, generator: torch.Generator) -> None:
+        """A new adapter of `rank` whose term is scaled by `scale` (lora_scale)."""
         w = self.base.weight
         a = torch.empty(rank, self.base.in_features, dtype=w.dtype)
         # PEFT's default init: kaiming-uniform A (a=sqrt(5)), zero B, so a new adapter is the identity.
@@ -85,7 +86,7 @@ class LoraLinear(nn.Module):
         a.uniform_(-bound, bound, generator=generator)
         self.lora_A[adapter_id] = a.to(w.device).requires_grad_(True)
         self.lora_B[adapter_id] = torch.zeros(self.base.out_features, rank, dtype=w.dtype, device=w.device).requires_grad_(True)
-        self.scale[adapter_id] = alpha / rank
+        self.scale[adapter_id] = scale
 
     def remove_adapter(self, adapter_id: str) -> None:
         for d in (self.lora_A, self.lora_B, self.scale):
@@ -252,6 +253,11 @@ _local = threading.local()
 def pad_rows(t: torch.Tensor, n: int) -> torch.Tensor:
     """`t` with zero rows appended up to `n` rows (a lower rank's A, or B^T, stacked beside a higher rank's)."""
     return t if t.shape[0] == n else torch.nn.functional.pad(t, (0, 0, 0, n - t.shape[0]))
+
+
+def lora_scale(alpha: float, rank: int, rslora: bool = False) -> float:
+    """PEFT's scaling of the adapter term: alpha / rank, or alpha / sqrt(rank) for rsLoRA."""
+    return alpha / math.sqrt(rank) if rslora else alpha / rank
 
 
 def target_module_names(train_attn: bool, train_mlp: bool, train_unembed: bool) -> list[str]:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from api_schemas.jobs import SGD, AdamW, LRSchedule
+from api_schemas.jobs import SGD, Adam, AdamW, LRSchedule
 from workers.engine.optim_state import ADAMW as _ADAMW
 from workers.engine.optim_state import SGD as _SGD
 from workers.engine.optim_state import AdamState, OptimState
@@ -60,6 +60,7 @@ class AdamHyper:
     eps: float
     weight_decay: float
     grad_clip_norm: float  # <= 0 disables clipping (AdamParams: "0.0 means no clipping")
+    l2: bool = False  # torch.optim.Adam: weight decay added to the gradient; False: AdamW's decoupled decay
 
     def validate(self) -> None:
         """Raise InvalidAdamParamsError for values torch.optim.AdamW would refuse (or that would divide by zero)."""
@@ -102,6 +103,7 @@ def schedule_factor(schedule: LRSchedule | None, step: int) -> float:
     _check(s, (s.min_ratio,), [
         (s.warmup_steps >= 0, "warmup_steps must be >= 0"),
         (0 <= s.min_ratio <= 1, "min_ratio must be in [0, 1]"),
+        (0 <= s.start_ratio <= 1, "start_ratio must be in [0, 1]"),
         (total is None or total >= 1, "total_steps must be >= 1"),
         (s.kind == "constant" or total is not None, f"a {s.kind} schedule needs total_steps"),
         (s.kind == "constant" or total is None or s.warmup_steps <= total, "warmup_steps must be <= total_steps"),
@@ -114,27 +116,35 @@ def schedule_factor(schedule: LRSchedule | None, step: int) -> float:
     span = total - s.warmup_steps
     progress = 1.0 if span <= 0 else min((step - s.warmup_steps) / span, 1.0)
     decay = 1.0 - progress if s.kind == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
-    return s.min_ratio + (1.0 - s.min_ratio) * decay
+    return s.min_ratio + (s.start_ratio - s.min_ratio) * decay
 
 
 def optimizer_step(
     params: list[torch.Tensor],
     state: OptimState,
-    optimizer: AdamW | SGD,
+    optimizer: AdamW | Adam | SGD,
     schedule: LRSchedule | None = None,
     *,
     grads: list[torch.Tensor | None] | None = None,
+    grad_scale: float = 1.0,
 ) -> tuple[dict[str, float], float, int]:
     """One step of the job's optimizer at its scheduled rate, in place: (metrics, learning rate used, the model's
-    optimizer steps so far, this one included). Metrics: grad_norm, grad_clip_coef, learning_rate.
+    optimizer steps so far, this one included). Metrics: grad_norm, grad_clip_coef, learning_rate. `grad_scale`
+    multiplies the gradients first (the norm and the clipping see the scaled ones).
 
     Raises InvalidOptimizerParamsError or NonFiniteGradError, touching nothing."""
     fields = optimizer.model_dump(exclude={"kind"})
-    hp: AdamHyper | SGDHyper = AdamHyper(**fields) if isinstance(optimizer, AdamW) else SGDHyper(**fields)
+    hp: AdamHyper | SGDHyper
+    if isinstance(optimizer, SGD):
+        hp = SGDHyper(**fields)
+    else:
+        hp = AdamHyper(**fields, l2=isinstance(optimizer, Adam))
     hp.validate()  # the rate as sent: a negative one must not pass as -0.0 through a warm-up factor of 0
+    if not (math.isfinite(grad_scale) and grad_scale > 0):
+        raise InvalidOptimizerParamsError(f"grad_scale must be a finite number > 0, got {grad_scale}")
     if schedule is not None:
         hp = dataclasses.replace(hp, learning_rate=hp.learning_rate * schedule_factor(schedule, state.step))
-    gs, grad_norm = _gradients(params, grads)
+    gs, grad_norm = _gradients(params, grads, grad_scale)
     clip_coef = _clip_coef(grad_norm, hp.grad_clip_norm)
     if isinstance(hp, AdamHyper):
         _adam_update(params, gs, state, hp, clip_coef)
@@ -168,13 +178,16 @@ def adam_step(
     }
 
 
-def _gradients(params: list[torch.Tensor], grads: list[torch.Tensor | None] | None,
+def _gradients(params: list[torch.Tensor], grads: list[torch.Tensor | None] | None, scale: float = 1.0,
                ) -> tuple[list[torch.Tensor], float]:
-    """The step's gradients (None: zero) and their global norm; NonFiniteGradError when it is not finite."""
+    """The step's gradients (None: zero) times `scale` and their global norm; NonFiniteGradError when it is not
+    finite. Scaling makes copies: the caller's gradient buffers stay as they were."""
     source = grads if grads is not None else [p.grad for p in params]
     if len(source) != len(params):
         raise ValueError(f"{len(source)} gradients for {len(params)} params")
     gs = [torch.zeros_like(p) if g is None else g.detach() for p, g in zip(params, source)]
+    if scale != 1.0:
+        gs = list(torch._foreach_mul(gs, scale))
     for i, (p, g) in enumerate(zip(params, gs)):
         if g.shape != p.shape:
             raise ValueError(f"gradient {i} has shape {tuple(g.shape)}, param {tuple(p.shape)}")
@@ -247,7 +260,11 @@ def _adam_foreach(params: list[torch.Tensor], gs: list[torch.Tensor], state: Opt
     if clip_coef != 1.0:
         gs = torch._foreach_mul(gs, clip_coef)  # clip copies: the caller's gradient buffers stay as they were
     ms, vs = state.exp_avg, state.exp_avg_sq
-    torch._foreach_mul_(params, 1 - hp.learning_rate * hp.weight_decay)
+    if hp.l2:  # torch.optim.Adam: grad + weight_decay * param
+        if hp.weight_decay != 0:
+            gs = torch._foreach_add(gs, params, alpha=hp.weight_decay)
+    else:
+        torch._foreach_mul_(params, 1 - hp.learning_rate * hp.weight_decay)
     torch._foreach_lerp_(ms, gs, 1 - hp.beta1)
     torch._foreach_mul_(vs, hp.beta2)
     torch._foreach_addcmul_(vs, gs, gs, value=1 - hp.beta2)
@@ -264,8 +281,12 @@ def _adam_each(params: list[torch.Tensor], gs: list[torch.Tensor], state: OptimS
         g = g.to(dtype=p.dtype)
         if clip_coef != 1.0:
             g = g * clip_coef  # clip a copy: the caller's gradient buffers stay as they were
-        # The order of operations mirrors torch.optim.adamw's single-tensor path.
-        p.mul_(1 - lr * hp.weight_decay)
+        # The order of operations mirrors torch.optim.adamw's (adam's, for l2) single-tensor path.
+        if hp.l2:
+            if hp.weight_decay != 0:
+                g = g.add(p, alpha=hp.weight_decay)
+        else:
+            p.mul_(1 - lr * hp.weight_decay)
         m.lerp_(g, 1 - beta1)
         v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
         denom = (v.sqrt() / bias_correction2_sqrt).add_(hp.eps)

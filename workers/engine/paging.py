@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors.torch import load_file, save_file
 
+from workers.engine.multi_lora import lora_scale
+
 if TYPE_CHECKING:
     from workers.engine.adapter_pool import Adapter
     from workers.engine.multi_lora import LoraLinear
@@ -61,7 +63,7 @@ def detach_from_layers(adapter: Adapter, layers: dict[str, LoraLinear]) -> None:
 
 
 def attach_to_layers(adapter: Adapter, layers: dict[str, LoraLinear]) -> None:
-    scale = adapter.alpha / adapter.spec.rank
+    scale = lora_scale(adapter.alpha, adapter.spec.rank, adapter.spec.rslora)
     for i, name in enumerate(adapter.modules):
         layer = layers[name]
         layer.lora_A[adapter.model_id] = adapter.params[2 * i]

@@ -153,7 +153,7 @@ class Trainer:
         with self.pool.pinned([model_id]) as (adapter,):  # the first step creates the moments: paging sees them
             try:  # the adapter's gradient buffers go in as they are (None: no loss reached that param, zero)
                 return optimizer_step(adapter.params, adapter.optim, p.optimizer, p.schedule,
-                                      grads=list(adapter.grads))
+                                      grads=list(adapter.grads), grad_scale=p.grad_scale)
             finally:
                 # a failed step (non-finite norm) drops its gradients too: the tenant can go on training
                 adapter.grads = [None] * len(adapter.params)
