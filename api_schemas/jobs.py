@@ -31,6 +31,13 @@ class ErrorCategory(str, Enum):
     UNKNOWN = "unknown"
 
 
+# The layers an adapter can target, by name suffix (train_attn, train_mlp, train_unembed select the groups).
+ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+UNEMBED_MODULES = ("lm_head",)
+LORA_TARGETS = ATTN_MODULES + MLP_MODULES + UNEMBED_MODULES
+
+
 class LoraSpec(_Frozen):
     rank: int
     seed: int | None = None

@@ -38,6 +38,9 @@ class Settings(BaseSettings):
     max_request_bytes: int = Field(64 * 1024 * 1024, gt=0)
     max_datums_per_request: int = Field(4096, gt=0)
     max_lora_rank: int = Field(128, gt=0)
+    # capacity_info's max_loras (native protocol) for a tenant without a live-model quota: the adapters one base
+    # model is sized to carry (idle ones page to host memory and disk)
+    native_capacity_adapters: int = Field(1000, gt=0)
     auth_cache_seconds: float = Field(5.0, ge=0)  # a revoked key stops working within this many seconds
     log_level: str = "INFO"
     # One log line per HTTP request (uvicorn's access log). Off by default: the SDK's long-polls and heartbeats

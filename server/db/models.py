@@ -97,11 +97,29 @@ class CheckpointRow(Base):
     user_metadata: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    # a native client's save(save_optimizer=True): its trainer progress (cur_step, consumed_train_samples, ...)
+    trainer_state: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     __table_args__ = (UniqueConstraint("model_id", "kind", "name"),)
 
     @property
     def tinker_path(self) -> str:
         return f"tinker://{self.model_id}/{self.kind}/{self.name}"
+
+
+class NativeAdapterRow(Base):
+    """A native (twinkle client) adapter: the training model its session names `adapter_name`, the settings the
+    native protocol keeps per adapter (loss, optimizer, scheduler, metrics, template, accumulation) and its
+    progress (backwards, steps, the open accumulation window, metric sums). server/services/native/adapters.py."""
+
+    __tablename__ = "native_adapters"
+    model_id: Mapped[str] = mapped_column(ForeignKey("models.id"), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), index=True)
+    session_id: Mapped[str] = mapped_column(ForeignKey("sessions.id"), index=True)
+    adapter_name: Mapped[str] = mapped_column(String(64))
+    next_seq: Mapped[int] = mapped_column(Integer, default=1)  # the model's next seq_id (0 was its creation)
+    settings: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    progress: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    __table_args__ = (UniqueConstraint("session_id", "adapter_name"),)
 
 
 class SamplingSessionRow(Base):

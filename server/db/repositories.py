@@ -12,6 +12,7 @@ from server.db.models import (
     ApiKeyRow,
     CheckpointRow,
     ModelRow,
+    NativeAdapterRow,
     SamplingSessionRow,
     SessionRow,
     TenantRow,
@@ -63,6 +64,33 @@ async def model_by_id(s: AsyncSession, model_id: str) -> ModelRow | None:
     return await s.get(ModelRow, model_id)
 
 
+async def count_session_models(s: AsyncSession, session_id: str) -> int:
+    q = select(func.count()).select_from(ModelRow).where(ModelRow.session_id == session_id)
+    return int((await s.execute(q)).scalar_one())
+
+
+# --- native adapters ---
+async def native_adapter(s: AsyncSession, tenant_id: str, session_id: str, name: str) -> NativeAdapterRow | None:
+    q = select(NativeAdapterRow).where(NativeAdapterRow.session_id == session_id,
+                                       NativeAdapterRow.adapter_name == name, NativeAdapterRow.tenant_id == tenant_id)
+    return (await s.execute(q)).scalar_one_or_none()
+
+
+async def take_native_seq(s: AsyncSession, model_id: str) -> int:
+    """The adapter's next seq_id, counted up in the same transaction (row-locked where the database can)."""
+    q = select(NativeAdapterRow).where(NativeAdapterRow.model_id == model_id).with_for_update()
+    row = (await s.execute(q)).scalar_one()
+    seq = row.next_seq
+    row.next_seq = seq + 1
+    return seq
+
+
+async def update_native_adapter(s: AsyncSession, model_id: str, *, settings: dict, progress: dict) -> None:
+    row = await s.get(NativeAdapterRow, model_id)
+    if row is not None:
+        row.settings, row.progress = dict(settings), dict(progress)
+
+
 # --- checkpoints ---
 async def checkpoint(s: AsyncSession, model_id: str, kind: str, name: str) -> CheckpointRow | None:
     q = select(CheckpointRow).where(
@@ -82,6 +110,11 @@ async def pending_checkpoints(s: AsyncSession, older_than: datetime) -> Sequence
 
 async def count_models(s: AsyncSession, tenant_id: str) -> int:
     return int((await s.execute(select(func.count()).where(ModelRow.tenant_id == tenant_id))).scalar_one())
+
+
+async def count_live_models(s: AsyncSession, tenant_id: str) -> int:
+    q = select(func.count()).where(ModelRow.tenant_id == tenant_id, ModelRow.released_at.is_(None))
+    return int((await s.execute(q)).scalar_one())
 
 
 # --- sampling sessions ---

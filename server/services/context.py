@@ -14,6 +14,7 @@ from server.config import Settings
 from server.db.database import Database
 from server.db.models import ModelRow
 from server.errors import NotFound
+from server.services.native.memory import NativeMemory
 from server.services.quotas import Admission
 from server.services.secrets import Keyring
 
@@ -61,6 +62,7 @@ class Context:
     # model id -> its row (owner and LoRA shape never change): training ops skip one SQL round trip each
     model_rows: dict[str, ModelRow] = field(default_factory=dict)
     recent: RecentFutures = field(default_factory=RecentFutures)
+    native: NativeMemory = field(default_factory=NativeMemory)  # per-adapter locks of the native protocol
 
     def served(self, base_model: str) -> ServedModel:
         model = self.models.get(base_model)

@@ -122,16 +122,16 @@ async def optim_step(ctx: Context, tenant_id: str, req: OptimStepRequest) -> Unt
 
 async def save_weights(ctx: Context, tenant_id: str, req: SaveWeightsRequest) -> UntypedFuture:
     model = await owned_model(ctx, tenant_id, req.model_id)
-    return await _save(ctx, tenant_id, model, req.seq_id, "weights", req.path, req.ttl_seconds, req.overwrite,
-                       req.user_metadata)
+    return await save_checkpoint(ctx, tenant_id, model, req.seq_id, "weights", req.path, req.ttl_seconds,
+                                 req.overwrite, req.user_metadata)
 
 
 async def save_weights_for_sampler(ctx: Context, tenant_id: str, req: SaveWeightsForSamplerRequest) -> UntypedFuture:
     model = await owned_model(ctx, tenant_id, req.model_id)
     if req.path is None:  # ephemeral: save_weights_and_get_sampling_client
         return await sampling.save_ephemeral(ctx, tenant_id, model, req)
-    return await _save(ctx, tenant_id, model, req.seq_id, "sampler_weights", req.path, req.ttl_seconds, True,
-                       req.user_metadata)
+    return await save_checkpoint(ctx, tenant_id, model, req.seq_id, "sampler_weights", req.path, req.ttl_seconds,
+                                 True, req.user_metadata)
 
 
 async def save_weights_external(ctx: Context, tenant_id: str, req: SaveWeightsExternalRequest) -> UntypedFuture:
@@ -141,12 +141,13 @@ async def save_weights_external(ctx: Context, tenant_id: str, req: SaveWeightsEx
         async def reject() -> Payload:
             raise BadRequest("age encryption of exports is not supported by this server; omit age_encryption_recipients")
         return await queue_op(ctx, tenant_id, model, req.seq_id, reject)
-    return await _save(ctx, tenant_id, model, req.seq_id, "external_weights", req.path, req.ttl_seconds, True,
-                       None)
+    return await save_checkpoint(ctx, tenant_id, model, req.seq_id, "external_weights", req.path, req.ttl_seconds,
+                                 True, None)
 
 
-async def _save(ctx: Context, tenant_id: str, model: ModelRow, seq_id: int, kind: str, name: str,  # noqa: PLR0913
-                ttl: int | None, overwrite: bool, metadata: dict[str, str] | None) -> UntypedFuture:
+async def save_checkpoint(ctx: Context, tenant_id: str, model: ModelRow, seq_id: int, kind: str,  # noqa: PLR0913
+                          name: str, ttl: int | None, overwrite: bool, metadata: dict[str, str] | None) -> UntypedFuture:
+    """Queue a save of `model` under `<kind>/<name>` at `seq_id` (also the native protocol's save)."""
     tinker_path = f"tinker://{model.id}/{kind}/{name}"
     key = ckpt.storage_key(tenant_id, model.id, kind, name)
 

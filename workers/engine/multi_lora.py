@@ -35,9 +35,8 @@ from typing import cast
 import torch
 from torch import nn
 
-ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
-UNEMBED_MODULES = ("lm_head",)
+from api_schemas.jobs import ATTN_MODULES, MLP_MODULES, UNEMBED_MODULES
+
 
 # one layer's adapters: id -> A (r, in), id -> B (out, r), id -> scale
 LayerAdapters = tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, float]]

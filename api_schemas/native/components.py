@@ -1,0 +1,150 @@
+"""The native protocol's allow-lists: every `*_cls` name a twinkle client may send, and the kwargs each accepts.
+
+The twinkle client names a server-side class for each slot of an adapter (`set_loss("CrossEntropyLoss", ...)`,
+`set_optimizer("AdamW", lr=...)`, ...). Upstream imports whatever it is told to; here a name is a key of the table of
+its slot, its kwargs are validated by that entry's model (unknown kwargs refused), and the result is plain data the
+gateway turns into engine jobs. Nothing is imported, downloaded or unpickled because a client named it: a name
+outside the table, a hub plugin id (`ms://...`, `hf://...`) or a kwarg outside the schema is a ComponentError
+(a 400 naming what is accepted).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+__all__ = ["COMPONENTS", "Component", "ComponentError", "Slot", "resolve"]
+
+Slot = Literal["loss", "optimizer", "scheduler", "metric", "template", "processor", "patch"]
+
+
+class ComponentError(ValueError):
+    """A `*_cls` name or its kwargs that the server does not accept; the message says what it does accept."""
+
+
+class Component(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# --- losses (twinkle.loss): each maps onto an engine loss; the formulas are the engine's (api_schemas/losses.py)
+class CrossEntropyLoss(Component):
+    """-log p(label) over the labels that are not -100: averaged over the batch's label tokens (`mean`, the class
+    default) or summed (`sum`, the adapter's default) with the gradients of an accumulation window divided by its
+    label tokens at the step, as upstream does."""
+
+    ignore_index: Literal[-100] = -100
+    reduction: Literal["mean", "sum"] = "mean"
+
+
+# --- optimizers (torch.optim; upstream's defaults: lr 1e-5, weight_decay 0.01 in the param group)
+class AdamW(Component):
+    lr: float = Field(1e-5, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, ge=0)
+    weight_decay: float = Field(0.01, ge=0)
+    amsgrad: Literal[False] = False
+    foreach: bool | None = None  # implementation choices of torch's; the update is the same
+    fused: bool | None = None
+
+
+class Adam(AdamW):
+    """torch.optim.Adam: weight decay as L2 on the gradient."""
+
+
+class SGD(Component):
+    lr: float = Field(1e-5, ge=0)
+    momentum: float = Field(0.0, ge=0)
+    nesterov: bool = False
+    dampening: Literal[0, 0.0] = 0
+    weight_decay: float = Field(0.01, ge=0)
+    foreach: bool | None = None
+
+
+# --- learning-rate schedulers (torch.optim.lr_scheduler and twinkle.module.scheduler), by optimizer step
+class CosineWarmupScheduler(Component):
+    num_warmup_steps: int = Field(ge=0)
+    num_training_steps: int = Field(ge=1)
+    num_cycles: Literal[0.5] = 0.5
+
+
+class LinearWarmupScheduler(Component):
+    num_warmup_steps: int = Field(ge=0)
+    num_training_steps: int = Field(ge=1)
+
+
+class LinearLR(Component):
+    start_factor: float = Field(1.0 / 3, gt=0, le=1)
+    end_factor: float = Field(1.0, ge=0, le=1)
+    total_iters: int = Field(5, ge=1)
+
+
+class CosineAnnealingLR(Component):
+    T_max: int = Field(ge=1)  # noqa: N815 - torch's own argument name
+    eta_min: float = Field(0.0, ge=0)
+
+
+class ConstantScheduler(Component):
+    """The optimizer's rate at every step (also what no scheduler means)."""
+
+
+# --- metrics (twinkle.metric), reported and reset by calculate_metric
+class LossMetric(Component):
+    pass
+
+
+class Accuracy(Component):
+    pass
+
+
+class TrainMetric(Component):
+    pass
+
+
+# --- templates: the served model's own chat template, whatever the name (the tokenizer is the server's)
+class Template(Component):
+    model_id: str | None = None  # the client's tokenizer id; the server always uses the served model's own
+    use_chat_template: Literal[True] = True
+    max_length: int | None = Field(None, ge=1)
+    truncation_strategy: Literal["raise", "left", "right", "delete"] = "raise"
+    default_system: str | None = Field(None, max_length=8192)
+    enable_thinking: bool = True
+
+
+# --- the collator (padding is the engine's business: any choice gives the same rows)
+class InputProcessor(Component):
+    padding_side: Literal["left", "right"] = "right"
+    padding_free: bool = False
+    framework: Literal["transformers"] = "transformers"
+    device_mesh: None = None
+
+
+COMPONENTS: dict[Slot, dict[str, type[Component]]] = {
+    "loss": {"CrossEntropyLoss": CrossEntropyLoss},
+    "optimizer": {"AdamW": AdamW, "Adam": Adam, "SGD": SGD},
+    "scheduler": {
+        "CosineWarmupScheduler": CosineWarmupScheduler, "LinearWarmupScheduler": LinearWarmupScheduler,
+        "LinearLR": LinearLR, "CosineAnnealingLR": CosineAnnealingLR, "constant": ConstantScheduler,
+        "ConstantScheduler": ConstantScheduler,
+    },
+    "metric": {"LossMetric": LossMetric, "Accuracy": Accuracy, "TrainMetric": TrainMetric},
+    "template": {"Template": Template, "Qwen3_5Template": Template},
+    "processor": {"InputProcessor": InputProcessor},
+    "patch": {},  # patches change the model every tenant shares: none is offered
+}
+
+
+def resolve(slot: Slot, name: object, kwargs: dict[str, Any]) -> tuple[str, Component]:
+    """(name, validated kwargs) of an allowed component; ComponentError naming what is accepted otherwise."""
+    table = COMPONENTS[slot]
+    accepted = ", ".join(sorted(table)) or "none"
+    if not isinstance(name, str) or name not in table:
+        hint = " (hub plugins are not loaded by this server)" if isinstance(name, str) and "://" in name else ""
+        raise ComponentError(f"{slot} {name!r} is not offered by this server{hint}; accepted: {accepted}")
+    entry = table[name]
+    try:
+        return name, entry.model_validate(kwargs)
+    except ValidationError as e:
+        fields = ", ".join(entry.model_fields) or "none"
+        problems = "; ".join(f"{'.'.join(str(p) for p in err['loc']) or name}: {err['msg']}" for err in e.errors())
+        raise ComponentError(f"{slot} {name} arguments: {problems} (accepted arguments: {fields})") from None

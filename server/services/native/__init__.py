@@ -1,0 +1,1 @@
+"""The native protocol's services (twinkle-kit's own client): adapters, training steps, saves, sampling, runs."""

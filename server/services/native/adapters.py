@@ -1,0 +1,188 @@
+"""Native adapters: a twinkle client's `(session, adapter_name)` is one of our training models, plus the settings and
+progress the native protocol keeps per adapter (SQL: `native_adapters`).
+
+Every native model route names its adapter by the `X-Twinkle-Session-Id` header and the body's `adapter_name`; the
+session must be the caller's (another tenant's session id finds nothing), so an adapter is reachable only with its
+owner's key. Operations of one adapter run one at a time (the client waits for each anyway): `locked` serialises
+them in this gateway, and `run` queues each job under the adapter's next seq_id and waits for its result, since the
+native protocol has no futures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import re
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from api_schemas.jobs import CreateModel, JobResult, LoraSpec, Output, Payload
+from server.db import repositories as repo
+from server.db.models import ModelRow, NativeAdapterRow, SessionRow
+from server.errors import BadRequest, DomainError, NotFound
+from server.services import jobs
+from server.services.context import Context
+from server.services.models import model_id_for
+
+ADAPTER_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+MAX_WAIT_SECONDS = 590.0  # the client gives every request 600 s
+MAX_ADAPTERS_PER_SESSION = 64
+
+DEFAULT_SETTINGS: dict[str, Any] = {  # upstream's adapter defaults: CE summed, its template, loss/accuracy/train metrics
+    "gas": 1,
+    "loss": {"name": "CrossEntropyLoss", "args": {"reduction": "sum"}},
+    "optimizer": None,
+    "scheduler": None,
+    "metrics": [{"name": n, "args": {}, "is_training": None} for n in ("LossMetric", "Accuracy", "TrainMetric")],
+    "template": {"name": "Template", "args": {}},
+    "processor": {"name": "InputProcessor", "args": {}},
+}
+
+
+class JobFailed(DomainError):
+    """A job failed in the worker with a server fault."""
+
+
+@dataclass
+class Adapter:
+    """One native adapter as its operation sees it: copies of its rows (write back with `save_state`)."""
+
+    model: ModelRow
+    row: NativeAdapterRow
+    settings: dict[str, Any]
+    progress: dict[str, Any]
+
+    @property
+    def name(self) -> str:
+        return self.row.adapter_name
+
+
+def fresh_progress() -> dict[str, Any]:
+    return {"backwards": 0, "steps": 0, "consumed_train_samples": 0, "window": {"backwards": 0, "tokens": 0},
+            "metrics": {}, "started_at": time.time()}
+
+
+async def native_session(ctx: Context, tenant_id: str, session_id: str | None) -> SessionRow:
+    """The caller's live session named by X-Twinkle-Session-Id; 404 (never 410, which the client reads as
+    StopIteration) when it is unknown, another tenant's or ended."""
+    if not session_id:
+        raise BadRequest("missing X-Twinkle-Session-Id header: create a session first (init_twinkle_client)")
+    async with ctx.db.session() as s:
+        row = await repo.session_of(s, tenant_id, session_id)
+    if row is None:
+        raise NotFound(f"session {session_id} not found")
+    if row.finished_at is not None:
+        raise NotFound(f"session {session_id} has ended (no heartbeat within the session timeout); "
+                       "create a new client")
+    return row
+
+
+def check_adapter_name(name: object) -> str:
+    if not isinstance(name, str) or not ADAPTER_NAME.match(name):
+        raise BadRequest(f"adapter_name {name!r} must be 1-64 letters, digits, '.', '_' or '-' "
+                         "(call add_adapter_to_model first)")
+    return name
+
+
+async def find(ctx: Context, tenant_id: str, session_id: str | None, adapter_name: object) -> Adapter:
+    """The caller's adapter `adapter_name` of its session; 404 otherwise."""
+    session = await native_session(ctx, tenant_id, session_id)
+    name = check_adapter_name(adapter_name)
+    async with ctx.db.session() as s:
+        row = await repo.native_adapter(s, tenant_id, session.id, name)
+        model = await repo.model_by_id(s, row.model_id) if row is not None else None
+    if row is None or model is None or row.tenant_id != tenant_id:
+        raise NotFound(f"adapter {name!r} not found in this session; call add_adapter_to_model first")
+    if model.released_at is not None:
+        raise NotFound(f"adapter {name!r} was released when its session ended; resume from a saved checkpoint")
+    return Adapter(model, row, copy.deepcopy(row.settings), copy.deepcopy(row.progress))
+
+
+async def create(ctx: Context, tenant_id: str, session: SessionRow, base_model: str, name: str, lora: LoraSpec,
+                 gas: int) -> Adapter:
+    """A new adapter of `session` (its model created on the worker before this returns)."""
+    served = ctx.served(base_model)
+    async with ctx.db.session() as s:
+        if await repo.native_adapter(s, tenant_id, session.id, name) is not None:
+            raise BadRequest(f"adapter {name!r} already exists in this session; use another adapter_name")
+        taken = await repo.count_session_models(s, session.id)
+        if taken >= MAX_ADAPTERS_PER_SESSION:
+            raise BadRequest(f"a session holds at most {MAX_ADAPTERS_PER_SESSION} adapters")
+        seed = lora.seed if lora.seed is not None else secrets.randbelow(2**31)
+        model = ModelRow(
+            id=model_id_for(session.id, taken), tenant_id=tenant_id, session_id=session.id, model_seq_id=taken,
+            base_model=served.name, lora_rank=lora.rank, seed=seed, train_attn=True, train_mlp=True,
+            train_unembed=False, optimizer="adamw", create_request_id=str(uuid.uuid4()), user_metadata={},
+        )
+        await repo.add(s, model)
+        row = NativeAdapterRow(model_id=model.id, tenant_id=tenant_id, session_id=session.id, adapter_name=name,
+                               next_seq=1, settings={**DEFAULT_SETTINGS, "gas": gas, "lora": lora.model_dump()},
+                               progress=fresh_progress())
+        await repo.add(s, row)
+        model.create_request_id = await jobs.queue_train(
+            ctx, tenant_id=tenant_id, base_model=served.name, model_id=model.id, seq_id=0,
+            payload=CreateModel(lora=lora.model_copy(update={"seed": seed})))
+    adapter = Adapter(model, row, copy.deepcopy(row.settings), copy.deepcopy(row.progress))
+    await wait_output(ctx, model.create_request_id)
+    return adapter
+
+
+def lora_of(adapter: Adapter) -> LoraSpec:
+    return LoraSpec.model_validate(adapter.settings["lora"])
+
+
+@asynccontextmanager
+async def locked(ctx: Context, adapter: Adapter) -> AsyncIterator[None]:
+    async with ctx.native.lock(adapter.model.id):
+        yield
+
+
+async def take_seq(ctx: Context, adapter: Adapter) -> int:
+    """The seq_id of the adapter's next operation (each is used once)."""
+    async with ctx.db.session() as s:
+        return await repo.take_native_seq(s, adapter.model.id)
+
+
+async def run(ctx: Context, adapter: Adapter, payload: Payload) -> Output:
+    """Queue `payload` as the adapter's next operation and wait for its output (under `locked`)."""
+    seq = await take_seq(ctx, adapter)
+    request_id = await jobs.queue_train(ctx, tenant_id=adapter.model.tenant_id, base_model=adapter.model.base_model,
+                                        model_id=adapter.model.id, seq_id=seq, payload=payload)
+    return await wait_output(ctx, request_id)
+
+
+async def wait_output(ctx: Context, request_id: str) -> Output:
+    """The output of a queued job; its failure as BadRequest (the tenant's input) or JobFailed (a server fault)."""
+    return output_of(await wait_result(ctx, request_id))
+
+
+def output_of(result: JobResult) -> Output:
+    if result.error is not None:
+        if result.error.category.value == "user":
+            raise BadRequest(result.error.message)
+        raise JobFailed(result.error.message)
+    if result.output is None:
+        raise JobFailed(f"job {result.job_id} finished without a result")
+    return result.output
+
+
+async def wait_result(ctx: Context, request_id: str) -> JobResult:
+    deadline = time.monotonic() + MAX_WAIT_SECONDS
+    while time.monotonic() < deadline:
+        result = await jobs.wait_result(ctx, request_id, ctx.settings.long_poll_seconds)
+        if result is not None:
+            ctx.recent.get(request_id, delivered=True)
+            return result
+        await asyncio.sleep(0)
+    raise JobFailed("the worker did not answer in time; the operation may still complete")
+
+
+async def save_state(ctx: Context, adapter: Adapter) -> None:
+    """Write the adapter's settings and progress back."""
+    async with ctx.db.session() as s:
+        await repo.update_native_adapter(s, adapter.model.id, settings=adapter.settings, progress=adapter.progress)

@@ -1,0 +1,230 @@
+"""The native training operations: forward_backward, forward_only, the split forward / calculate_loss / backward,
+and the optimizer calls (clip_grad_and_step, step, clip_grad_norm, zero_grad, lr_step) with gradient accumulation.
+
+Each batch becomes the engine's own ForwardBackward job (the adapter's loss turned into the engine's loss table),
+so native and Tinker tenants share merged passes. Gradients add up across backwards until a step, as on the Tinker
+side. Accumulation is upstream's: an adapter's `gradient_accumulation_steps` (GAS) makes the optimizer calls act
+only once a window holds GAS backwards (earlier calls are no-ops, so a loop may call `clip_grad_and_step` after every
+micro-batch); the window's summed gradients are divided by its label tokens (loss reduction `sum`, the adapter's
+default) or by its number of backwards (`mean`) before clipping, at the step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from api_schemas.jobs import SGD, Adam, AdamW, ForwardBackward, ForwardBackwardResult, LRSchedule, OptimStep, OptimStepResult
+from api_schemas.native.features import Feature, FeatureError, read_features
+from server.errors import BadRequest
+from server.services.context import Context
+from server.services.native import metrics
+from server.services.native.adapters import Adapter, JobFailed, run, save_state
+
+FORWARD_KWARGS = {"gradient_accumulation_steps", "temperature", "return_logits", "disable_lora", "task"}
+
+
+def _features(ctx: Context, adapter: Adapter, inputs: object, labels_required: bool = True) -> list[Feature]:
+    served = ctx.served(adapter.model.base_model)
+    try:
+        return read_features(inputs, vocab_size=served.vocab_size, max_len=served.max_context,
+                             max_rows=ctx.settings.max_datums_per_request, labels_required=labels_required)
+    except FeatureError as e:
+        raise BadRequest(str(e)) from None
+
+
+def check_forward_kwargs(kwargs: dict[str, Any]) -> None:
+    unknown = sorted(set(kwargs) - FORWARD_KWARGS)
+    if unknown:
+        raise BadRequest(f"unknown arguments {unknown}; accepted: {sorted(FORWARD_KWARGS)}")
+    if kwargs.get("temperature", 1.0) not in (1, 1.0, None):
+        raise BadRequest("temperature other than 1.0 is not supported for training passes")
+    if kwargs.get("return_logits"):
+        raise BadRequest("return_logits is not supported: logits are vocabulary-sized; logps are returned")
+    if kwargs.get("task", "causal_lm") not in ("causal_lm", None):
+        raise BadRequest("only task 'causal_lm' is supported")
+    if kwargs.get("disable_lora"):
+        raise BadRequest("disable_lora (a reference pass on the base model) is available on forward_only only")
+    gas = kwargs.get("gradient_accumulation_steps")
+    if gas is not None and (not isinstance(gas, int) or isinstance(gas, bool) or not 1 <= gas <= 10_000):
+        raise BadRequest("gradient_accumulation_steps must be an integer from 1 to 10000")
+
+
+def _loss(adapter: Adapter) -> tuple[str, bool]:
+    """(engine loss name, whether the loss is a sum over label tokens) of the adapter's set_loss."""
+    loss = adapter.settings["loss"]
+    if loss["name"] == "CrossEntropyLoss":
+        return "cross_entropy", loss["args"].get("reduction", "mean") == "sum"
+    raise BadRequest(f"loss {loss['name']} is not available for this operation")
+
+
+def _batch(features: list[Feature], summed: bool, forward_only: bool) -> tuple[ForwardBackward, int]:
+    tokens = int(sum(int(f.mask.sum()) for f in features))
+    scale = 1.0 if summed else 1.0 / max(tokens, 1)  # mean: each label token weighs 1 / the batch's label tokens
+    datums = [(f.input_ids, {"target_tokens": f.targets, "weights": f.mask.astype(np.float32) * np.float32(scale)})
+              for f in features]
+    return ForwardBackward.build(datums, forward_only=forward_only, loss_fn="cross_entropy", loss_config={}), tokens
+
+
+def _answer(out: ForwardBackwardResult, tokens: int) -> dict[str, Any]:
+    logps = [d["logprobs"].tolist() for d in out.datum_outputs()]
+    return {"loss": float(out.metrics.get("loss:sum", 0.0)), "logps": logps, "num_tokens": tokens}
+
+
+async def _pass(ctx: Context, adapter: Adapter, inputs: object, forward_only: bool) -> tuple[dict[str, Any], int]:
+    _, summed = _loss(adapter)
+    job, tokens = _batch(_features(ctx, adapter, inputs), summed, forward_only)
+    out = await run(ctx, adapter, job)
+    if not isinstance(out, ForwardBackwardResult):
+        raise JobFailed("the worker answered a training batch with another result")
+    return _answer(out, tokens), tokens
+
+
+async def forward_backward(ctx: Context, adapter: Adapter, inputs: object, kwargs: dict[str, Any]) -> dict[str, Any]:
+    check_forward_kwargs(kwargs)
+    if kwargs.get("gradient_accumulation_steps"):
+        adapter.settings["gas"] = kwargs["gradient_accumulation_steps"]
+    result, tokens = await _pass(ctx, adapter, inputs, forward_only=False)
+    _count_backward(adapter, tokens, len(result["logps"]))
+    metrics.add_loss(adapter.progress, True, result["loss"], tokens, _loss(adapter)[1])
+    await save_state(ctx, adapter)
+    return result
+
+
+async def forward_only(ctx: Context, adapter: Adapter, inputs: object, kwargs: dict[str, Any]) -> dict[str, Any]:
+    if kwargs.get("disable_lora"):
+        raise BadRequest("disable_lora (the base model's reference logps) is not offered yet; "
+                         "compute reference logps with a separate adapter that is never stepped")
+    check_forward_kwargs({k: v for k, v in kwargs.items() if k != "disable_lora"})
+    result, tokens = await _pass(ctx, adapter, inputs, forward_only=True)
+    metrics.add_loss(adapter.progress, False, result["loss"], tokens, _loss(adapter)[1])
+    await save_state(ctx, adapter)
+    return result
+
+
+# --- the split form: forward (kept), calculate_loss (its loss), backward (the same batch with gradients) ---
+async def forward(ctx: Context, adapter: Adapter, inputs: object, kwargs: dict[str, Any]) -> dict[str, Any]:
+    check_forward_kwargs(kwargs)
+    _features(ctx, adapter, inputs)  # refuse a bad batch now, not at backward
+    result, tokens = await _pass(ctx, adapter, inputs, forward_only=True)
+    ctx.native.put_forward(adapter.model.id, {"inputs": inputs, "loss": result["loss"], "tokens": tokens})
+    return result
+
+
+def _pending(ctx: Context, adapter: Adapter) -> dict[str, Any]:
+    pending = ctx.native.forward(adapter.model.id)
+    if pending is None:
+        raise BadRequest("no forward is waiting for this adapter: call forward(inputs) first")
+    return dict(pending)
+
+
+async def calculate_loss(ctx: Context, adapter: Adapter) -> float:
+    return float(_pending(ctx, adapter)["loss"])
+
+
+async def backward(ctx: Context, adapter: Adapter, kwargs: dict[str, Any]) -> None:
+    """The gradients of the waiting forward's batch (computed again: the engine keeps no graph between requests,
+    so the result is the same as a forward_backward of that batch)."""
+    pending = _pending(ctx, adapter)
+    if kwargs.get("gradient_accumulation_steps"):
+        check_forward_kwargs({"gradient_accumulation_steps": kwargs["gradient_accumulation_steps"]})
+        adapter.settings["gas"] = kwargs["gradient_accumulation_steps"]
+    result, tokens = await _pass(ctx, adapter, pending["inputs"], forward_only=False)
+    ctx.native.drop_forward(adapter.model.id)
+    _count_backward(adapter, tokens, len(result["logps"]))
+    metrics.add_loss(adapter.progress, True, result["loss"], tokens, _loss(adapter)[1])
+    await save_state(ctx, adapter)
+
+
+def _count_backward(adapter: Adapter, tokens: int, rows: int) -> None:
+    p = adapter.progress
+    p["backwards"] = p.get("backwards", 0) + 1
+    window = p.setdefault("window", {"backwards": 0, "tokens": 0})
+    window["backwards"] += 1
+    window["tokens"] += tokens
+
+
+# --- optimizer calls ---
+def _window_full(adapter: Adapter) -> bool:
+    window = adapter.progress.get("window", {})
+    return window.get("backwards", 0) >= max(int(adapter.settings.get("gas", 1)), 1)
+
+
+def _optimizer(adapter: Adapter, max_grad_norm: float | None) -> AdamW | Adam | SGD:
+    opt = adapter.settings.get("optimizer")
+    if opt is None:
+        raise BadRequest("no optimizer: call set_optimizer first (AdamW, Adam or SGD)")
+    a, clip = opt["args"], max_grad_norm or 0.0
+    if opt["name"] == "SGD":
+        return SGD(learning_rate=a["lr"], momentum=a["momentum"], nesterov=a["nesterov"],
+                   weight_decay=a["weight_decay"], grad_clip_norm=clip)
+    kind = Adam if opt["name"] == "Adam" else AdamW
+    return kind(learning_rate=a["lr"], beta1=a["betas"][0], beta2=a["betas"][1], eps=a["eps"],
+                weight_decay=a["weight_decay"], grad_clip_norm=clip)
+
+
+def _schedule(adapter: Adapter, lr: float) -> LRSchedule | None:
+    sched = adapter.settings.get("scheduler")
+    if sched is None or sched["name"] in ("constant", "ConstantScheduler"):
+        return None
+    a = sched["args"]
+    if sched["name"] in ("CosineWarmupScheduler", "LinearWarmupScheduler"):
+        kind = "cosine" if sched["name"] == "CosineWarmupScheduler" else "linear"
+        return LRSchedule(kind=kind, warmup_steps=a["num_warmup_steps"], total_steps=a["num_training_steps"])
+    if sched["name"] == "LinearLR":
+        return LRSchedule(kind="linear", total_steps=a["total_iters"], start_ratio=a["start_factor"],
+                          min_ratio=a["end_factor"])
+    if sched["name"] == "CosineAnnealingLR":
+        floor = a["eta_min"] / lr if lr > 0 else 0.0
+        if floor > 1:
+            raise BadRequest(f"CosineAnnealingLR eta_min {a['eta_min']} is above the learning rate {lr}")
+        return LRSchedule(kind="cosine", total_steps=a["T_max"], min_ratio=floor)
+    raise BadRequest(f"scheduler {sched['name']} is not available")
+
+
+def _check_norm(norm_type: object) -> None:
+    if norm_type not in (2, 2.0):
+        raise BadRequest("only norm_type 2 (the L2 norm) is supported")
+
+
+async def step(ctx: Context, adapter: Adapter, max_grad_norm: float | None, norm_type: object = 2) -> str:
+    """One optimizer step once the accumulation window is full (clipping at `max_grad_norm`, None: none); the
+    gradient norm as upstream prints it, or "None" when the call was a no-op inside the window."""
+    _check_norm(norm_type)
+    if max_grad_norm is not None and not max_grad_norm >= 0:
+        raise BadRequest("max_grad_norm must be >= 0")
+    optimizer = _optimizer(adapter, max_grad_norm)
+    if not _window_full(adapter):
+        return "None"
+    window = adapter.progress["window"]
+    _, summed = _loss(adapter)
+    divisor = window["tokens"] if summed and window["tokens"] > 0 else window["backwards"]
+    job = OptimStep(optimizer=optimizer, schedule=_schedule(adapter, optimizer.learning_rate),
+                    grad_scale=1.0 / max(divisor, 1))
+    out = await run(ctx, adapter, job)
+    if not isinstance(out, OptimStepResult):
+        raise JobFailed("the worker answered an optimizer step with another result")
+    adapter.progress["window"] = {"backwards": 0, "tokens": 0}
+    adapter.progress["steps"] = out.step
+    metrics.add_step(adapter.progress, out.metrics.get("grad_norm", 0.0), out.learning_rate)
+    await save_state(ctx, adapter)
+    return str(out.metrics.get("grad_norm", 0.0))
+
+
+async def clip_grad_norm(ctx: Context, adapter: Adapter, max_grad_norm: float, norm_type: object) -> str:
+    """Inside an accumulation window a no-op ("None"), as upstream. Clipping the window's gradients on its own,
+    before a separate `step`, needs the gradient norm before the step, which the engine does not report yet:
+    refused with a pointer to clip_grad_and_step (the same clip and step in one call)."""
+    _check_norm(norm_type)
+    if not _window_full(adapter):
+        return "None"
+    raise BadRequest("clip_grad_norm on its own is not offered yet: call clip_grad_and_step(max_grad_norm=...) "
+                     "(clip + step + zero_grad + lr_step, as upstream's cookbooks do)")
+
+
+async def zero_grad(ctx: Context, adapter: Adapter) -> None:
+    """Gradients are dropped by every step; inside a window (before it is full) upstream ignores zero_grad too."""
+    if _window_full(adapter):
+        raise BadRequest("zero_grad with a full accumulation window and no step: call step first, or "
+                         "clip_grad_and_step (discarding accumulated gradients is not offered)")

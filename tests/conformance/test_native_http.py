@@ -1,0 +1,168 @@
+"""The native (twinkle_client) protocol over plain HTTP, as that client sends it: sessions bound to the tenant, an SFT
+loop with gradient accumulation through the model routes, saves that resume and sample, isolation, allow-lists.
+(tests/native drives the same routes with the real, unmodified twinkle_client in its own venv.)"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.support.server import ServerProcess
+
+LORA = json.dumps({"peft_type": "LORA", "r": 8, "lora_alpha": 32, "target_modules": "all-linear",
+                   "lora_dropout": 0.0, "use_rslora": False, "peft_version": "0.17.1", "some_future_key": 1,
+                   "_TWINKLE_TYPE_": "LoraConfig"})
+
+
+class Native:
+    """The requests twinkle_client makes (its headers, its bodies)."""
+
+    def __init__(self, server: ServerProcess, key: str) -> None:
+        self.http = httpx.Client(base_url=f"{server.base_url}/api/v1", timeout=120,
+                                 headers={"Authorization": f"Bearer {key}", "Twinkle-Authorization": f"Bearer {key}",
+                                          "x-request-id": "20261202_000000-abcdef12",
+                                          "serve_multiplexed_model_id": "20261202_000000-abcdef12"})
+        self.model = server.base_model
+        r = self.http.post("/twinkle/create_session", json={"metadata": None})
+        assert r.status_code == 200, r.text
+        self.session = r.json()["session_id"]
+        self.http.headers["X-Twinkle-Session-Id"] = self.session
+
+    def op(self, op: str, **body: object) -> httpx.Response:
+        return self.http.post(f"/model/{self.model}/twinkle/{op}", json=body)
+
+    def ok(self, op: str, **body: object) -> dict:
+        r = self.op(op, **body)
+        assert r.status_code == 200, (op, r.status_code, r.text)
+        return r.json()
+
+
+def rows(seed: int = 0, n: int = 4) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        ids = rng.integers(5, 200, size=12).tolist()
+        labels = [-100] * 4 + ids[5:] + [-100]  # shifted: position i predicts ids[i + 1]
+        out.append({"input_ids": ids, "labels": labels, "attention_mask": [1] * 12, "position_ids": list(range(12)),
+                    "length": 12, "messages": [{"role": "user", "content": "x"}]})
+    return out
+
+
+@pytest.fixture()
+def a(server: ServerProcess) -> Native:
+    return Native(server, server.api_key_a)
+
+
+def setup_adapter(c: Native, name: str = "default", gas: int = 2) -> None:
+    assert c.ok("create") == {"status": "ok"}
+    assert c.ok("add_adapter_to_model", adapter_name=name, config=LORA, gradient_accumulation_steps=gas)[
+        "adapter_name"] == name
+    c.ok("set_template", template_cls="Template", adapter_name=name, model_id=c.model, max_length=512)
+    c.ok("set_processor", processor_cls="InputProcessor", adapter_name=name, padding_side="right")
+    c.ok("set_loss", loss_cls="CrossEntropyLoss", adapter_name=name)
+    c.ok("set_optimizer", optimizer_cls="AdamW", adapter_name=name, lr=1e-2)
+    c.ok("set_lr_scheduler", scheduler_cls="CosineWarmupScheduler", adapter_name=name, num_warmup_steps=1,
+         num_training_steps=40)
+
+
+def test_sft_with_accumulation_save_resume_and_sample(a: Native) -> None:
+    setup_adapter(a)
+    data = rows()
+    losses, norms = [], []
+    for i in range(32):
+        out = a.ok("forward_backward", inputs=data[:2] if i % 2 == 0 else data[2:], adapter_name="default")["result"]
+        assert len(out["logps"]) == 2 and len(out["logps"][0]) == 12 and out["num_tokens"] == 14
+        losses.append(out["loss"])
+        norms.append(a.ok("clip_grad_and_step", adapter_name="default")["result"])
+    assert norms[0::2] == ["None"] * 16  # inside the window of 2 backwards: no step
+    assert all(float(n) > 0 for n in norms[1::2])
+    assert np.mean(losses[-4:]) < 0.88 * np.mean(losses[:4]), losses
+    metric = a.ok("calculate_metric", is_training=True, adapter_name="default")["result"]
+    assert float(metric["loss"]) > 0 and metric["iters"] == 16 and "learning rate" in metric
+    assert a.ok("calculate_metric", is_training=True, adapter_name="default")["result"].get("loss") is None  # reset
+    configs = a.ok("get_train_configs", adapter_name="default")["result"]
+    assert "r=8" in configs and "AdamW" in configs
+
+    saved = a.ok("save", name="epoch 1", save_optimizer=True, consumed_train_samples=48, adapter_name="default")
+    assert saved["checkpoint_dir"] is None and saved["twinkle_path"].endswith("/weights/epoch_1")
+    path = saved["twinkle_path"]
+    runs = a.http.get("/twinkle/training_runs").json()
+    run = next(r for r in runs["training_runs"] if path.startswith(f"twinkle://{r['training_run_id']}/"))
+    assert runs["cursor"]["total_count"] >= 1 and "tenant" in run["model_owner"]
+    cks = a.http.get(f"/twinkle/training_runs/{run['training_run_id']}/checkpoints").json()["checkpoints"]
+    assert [c["twinkle_path"] for c in cks] == [path] and cks[0]["checkpoint_type"] == "training"
+    where = a.http.get(f"/twinkle/checkpoint_path/{run['training_run_id']}/weights/epoch_1").json()
+    assert where == {"path": path, "twinkle_path": path}
+
+    # a second adapter resumes: the same loss on the same batch, and the progress the save recorded
+    setup_adapter(a, "resumed")
+    progress = a.ok("resume_from_checkpoint", name=path, adapter_name="resumed")["result"]
+    assert progress == {"cur_step": 32, "consumed_train_samples": 48, "gradient_accumulation_steps": 2}
+    ref = a.ok("forward_only", inputs=data[:2], adapter_name="default")["result"]["loss"]
+    again = a.ok("forward_only", inputs=data[:2], adapter_name="resumed")["result"]["loss"]
+    assert again == pytest.approx(ref, rel=1e-5)
+
+    sampler = a.ok("save", name="s", is_sampler=True, adapter_name="default")["twinkle_path"]
+    r = a.http.post(f"/sampler/{a.model}/twinkle/sample", json={
+        "inputs": [data[0]], "sampling_params": {"max_tokens": 5, "temperature": 0.0, "logprobs": 1},
+        "adapter_name": "", "num_samples": 1, "adapter_uri": sampler})
+    assert r.status_code == 200, r.text
+    seq = r.json()["samples"][0]["sequences"][0]
+    assert 1 <= len(seq["tokens"]) <= 5 and len(seq["logprobs"]) == len(seq["tokens"])
+    assert seq["logprobs"][0][0][0] == seq["tokens"][0]
+    feature = seq["new_input_feature"]
+    assert feature["input_ids"] == data[0]["input_ids"] + seq["tokens"]
+    assert feature["labels"][11:11 + len(seq["tokens"])] == seq["tokens"] and feature["messages"][-1]["role"] == "assistant"
+
+
+def test_sessions_and_adapters_belong_to_their_tenant(server: ServerProcess, a: Native) -> None:
+    setup_adapter(a, gas=1)
+    a.ok("forward_backward", inputs=rows(n=1), adapter_name="default")
+    path = a.ok("save", name="mine", adapter_name="default")["twinkle_path"]
+    b = Native(server, server.api_key_b)
+    b.http.headers["X-Twinkle-Session-Id"] = a.session  # B knows A's session id
+    assert b.op("forward_backward", inputs=rows(n=1), adapter_name="default").status_code == 404
+    assert b.http.post("/twinkle/session_heartbeat", json={"session_id": a.session}).status_code == 404
+    b.http.headers["X-Twinkle-Session-Id"] = b.session
+    setup_adapter(b, gas=1)
+    for op, body in (("load", {"name": path}), ("resume_from_checkpoint", {"name": path})):
+        r = b.op(op, adapter_name="default", **body)
+        assert r.status_code == 404, (op, r.text)
+    r = b.http.post(f"/sampler/{b.model}/twinkle/sample", json={"inputs": rows(n=1), "adapter_uri": path})
+    assert r.status_code == 404
+    run_id = path.split("/")[2]
+    assert b.http.get(f"/twinkle/training_runs/{run_id}").status_code == 404
+    assert b.http.delete(f"/twinkle/training_runs/{run_id}/checkpoints/weights/mine").status_code == 404
+    bad = httpx.post(f"{server.base_url}/api/v1/twinkle/create_session", json={},
+                     headers={"Authorization": "Bearer tml-wrong"})
+    assert bad.status_code == 401 and "detail" in bad.json()
+
+
+@pytest.mark.parametrize("op,body,accepted", [
+    ("set_loss", {"loss_cls": "os.system"}, "CrossEntropyLoss"),
+    ("set_optimizer", {"optimizer_cls": "NotAThing"}, "AdamW"),
+    ("set_optimizer", {"optimizer_cls": "AdamW", "params": "x"}, "accepted arguments"),
+    ("set_lr_scheduler", {"scheduler_cls": "ms://evil/plugin"}, "hub plugins"),
+    ("apply_patch", {"patch_cls": "ms://twinkle-kit/qwen3_moe_transformers4_patch"}, "not offered"),
+    ("add_metric", {"metric_cls": "builtins.eval"}, "LossMetric"),
+    ("set_template", {"template_cls": "Template", "trust_remote_code": True}, "accepted arguments"),
+    ("load", {"name": "/etc/passwd"}, "twinkle://"),
+    ("forward_backward", {"inputs": [{"input_ids": [1, 2], "labels": [2]}]}, "labels"),
+])
+def test_allow_lists_and_paths_are_refused_by_name(a: Native, op: str, body: dict, accepted: str) -> None:
+    setup_adapter(a, gas=1)
+    r = a.op(op, adapter_name="default", **body)
+    assert r.status_code == 400, r.text
+    assert accepted in r.json()["detail"]
+
+
+def test_lora_config_limits(a: Native) -> None:
+    a.ok("create")
+    for config, word in ((json.dumps({"r": 100000}), "r must be"), (json.dumps({"use_dora": True}), "use_dora"),
+                         (json.dumps({"target_modules": ["embed_tokens"]}), "target_modules"), (None, "full-parameter")):
+        r = a.op("add_adapter_to_model", adapter_name="x", config=config)
+        assert r.status_code == 400 and word in r.json()["detail"], r.text
+    assert a.op("add_adapter_to_model", adapter_name="../x", config=LORA).status_code == 400
