@@ -127,6 +127,8 @@ class ForwardBackward(_Frozen):
     rows: int
     max_len: int
     tokens: int
+    # forward_only through the base model alone (the native protocol's `disable_lora` reference pass)
+    base_only: bool = False
 
     @classmethod
     def build(cls, datums: Sequence[tuple[np.ndarray, Mapping[str, np.ndarray]]], **fields: Any) -> ForwardBackward:
@@ -257,7 +259,7 @@ class Job(_Frozen):
 
     def fingerprint(self) -> str:
         """Hash of what the job asks for (not of its id): a retry must carry the same one."""
-        return hashlib.sha256(self.payload.model_dump_json().encode()).hexdigest()
+        return hashlib.sha256(self.payload.__pydantic_serializer__.to_json(self.payload)).hexdigest()
 
 
 class JobError(_Frozen):

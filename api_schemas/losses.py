@@ -44,6 +44,8 @@ class LossSpec:
     text_config: frozenset[str] = frozenset()
     # True when inputs beyond required/optional are the loss's own business (custom losses declare theirs).
     extra_inputs_ok: bool = False
+    # A loss of the native protocol only (its DPOLoss): unknown to Tinker clients, whose table is the SDK's.
+    native_only: bool = False
 
     @property
     def config_keys(self) -> frozenset[str]:
@@ -76,6 +78,13 @@ _SPECS: tuple[LossSpec, ...] = (
             "Use ppo, cispo, gspo or importance_sampling instead."
         ),
     ),
+    # DPO (the native protocol's DPOLoss, sigmoid form): datums in (chosen, rejected) pairs, in order; `weights`
+    # mark the response tokens (0/1), `ref_logprobs` the reference model's logprobs of the same targets. Its loss is
+    # the mean over pairs of -logsigmoid(beta * margin) (label-smoothed), plus sft_weight * the chosen tokens' mean
+    # NLL: not a sum over tokens, so it is computed for the whole batch at once (workers/engine/losses.py `_dpo`).
+    LossSpec("dpo", frozenset({"target_tokens", "weights", "ref_logprobs"}),
+             config_defaults=MappingProxyType({"beta": 0.1, "label_smoothing": 0.0, "sft_weight": 0.0}),
+             native_only=True),
     # A loss uploaded with create_custom_loss, named by loss_fn_config["loss_id"]. The inputs it reads are declared
     # with it (api_schemas/tinker/custom_loss.py checks them once the gateway has resolved the loss); others are
     # ignored, as the SDK's client-side run of the same loss ignores them.
@@ -83,7 +92,8 @@ _SPECS: tuple[LossSpec, ...] = (
 )
 
 LOSS_SPECS: Mapping[str, LossSpec] = MappingProxyType({s.name: s for s in _SPECS})
-SUPPORTED_LOSSES: tuple[str, ...] = tuple(s.name for s in _SPECS if s.unsupported_reason is None)
+# What a Tinker client may name (the native protocol's losses map onto these and the native-only ones).
+SUPPORTED_LOSSES: tuple[str, ...] = tuple(s.name for s in _SPECS if s.unsupported_reason is None and not s.native_only)
 
 
 def _number(loss_fn: str, key: str, value: float | str) -> float:
@@ -93,9 +103,10 @@ def _number(loss_fn: str, key: str, value: float | str) -> float:
     return float(value)
 
 
-def resolve_loss_config(loss_fn: str, config: Mapping[str, float | str]) -> dict[str, float]:
-    """Check `config` against the loss's keys and value ranges; return every key with defaults filled in."""
-    spec = _spec(loss_fn)
+def resolve_loss_config(loss_fn: str, config: Mapping[str, float | str], engine: bool = False) -> dict[str, float]:
+    """Check `config` against the loss's keys and value ranges; return every key with defaults filled in.
+    `engine`: the worker's check, which also knows the native-only losses."""
+    spec = _spec(loss_fn, engine)
     unknown = sorted(set(config) - spec.config_keys)
     if unknown:
         allowed = ", ".join(sorted(spec.config_keys)) or "none"
@@ -116,6 +127,10 @@ def resolve_loss_config(loss_fn: str, config: Mapping[str, float | str]) -> dict
         _check_clip_thresholds(loss_fn, lo, hi)
     if "beta" in resolved and not (math.isfinite(resolved["beta"]) and resolved["beta"] >= 0):
         raise LossSpecError(f"{loss_fn}: beta must be a finite number >= 0, got {resolved['beta']}")
+    if not 0 <= resolved.get("label_smoothing", 0.0) <= 0.5:
+        raise LossSpecError(f"{loss_fn}: label_smoothing must be in [0, 0.5]")
+    if not (math.isfinite(resolved.get("sft_weight", 0.0)) and resolved.get("sft_weight", 0.0) >= 0):
+        raise LossSpecError(f"{loss_fn}: sft_weight must be a finite number >= 0")
     return resolved
 
 
@@ -131,10 +146,11 @@ def _check_clip_thresholds(loss_fn: str, lo: float, hi: float) -> None:
 
 
 def validate_loss_request(
-    loss_fn: str, input_keys_per_datum: list[set[str]], config: Mapping[str, float | str]
+    loss_fn: str, input_keys_per_datum: list[set[str]], config: Mapping[str, float | str], engine: bool = False
 ) -> None:
-    """Raise LossSpecError naming what is wrong: the loss name, a datum's loss_fn_inputs keys, or the config."""
-    spec = _spec(loss_fn)
+    """Raise LossSpecError naming what is wrong: the loss name, a datum's loss_fn_inputs keys, or the config.
+    `engine`: the worker's check (native-only losses too); without it, the Tinker client's table."""
+    spec = _spec(loss_fn, engine)
     if not input_keys_per_datum:
         raise LossSpecError(f"{loss_fn}: the request has no datums")
     allowed = spec.required_inputs | spec.optional_inputs
@@ -153,12 +169,12 @@ def validate_loss_request(
                 f"{loss_fn}: datum {i} has loss_fn_inputs {extra} that this loss does not use "
                 f"(allowed: {sorted(allowed)})"
             )
-    resolve_loss_config(loss_fn, config)
+    resolve_loss_config(loss_fn, config, engine)
 
 
-def _spec(loss_fn: str) -> LossSpec:
+def _spec(loss_fn: str, engine: bool = False) -> LossSpec:
     spec = LOSS_SPECS.get(loss_fn)
-    if spec is None:
+    if spec is None or (spec.native_only and not engine):
         raise LossSpecError(f"unknown loss_fn {loss_fn!r}; supported: {', '.join(SUPPORTED_LOSSES)}")
     if spec.unsupported_reason is not None:
         raise LossSpecError(spec.unsupported_reason)

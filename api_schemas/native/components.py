@@ -37,6 +37,28 @@ class CrossEntropyLoss(Component):
     reduction: Literal["mean", "sum"] = "mean"
 
 
+class GRPOLoss(Component):
+    """Upstream's GRPO objective without a KL term: per token -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A),
+    r = exp(logp - old_logp), averaged over each sequence's label tokens, then over the batch."""
+
+    epsilon: float = Field(0.2, ge=0, lt=1)
+    epsilon_high: float | None = Field(None, ge=0)
+    beta: Literal[0, 0.0] = 0.0  # a KL penalty needs reference logps per token: not offered
+    entropy_coef: Literal[0, 0.0] = 0.0
+    ignore_index: Literal[-100] = -100
+
+
+class DPOLoss(Component):
+    """Upstream's sigmoid DPO on (chosen, rejected) row pairs; reference logps from a `disable_lora` forward_only."""
+
+    beta: float = Field(0.1, gt=0)
+    label_smoothing: float = Field(0.0, ge=0, le=0.5)
+    ignore_index: Literal[-100] = -100
+    loss_type: Literal["sigmoid"] = "sigmoid"
+    reference_free: bool = False
+    sft_weight: float = Field(0.0, ge=0)
+
+
 # --- optimizers (torch.optim; upstream's defaults: lr 1e-5, weight_decay 0.01 in the param group)
 class AdamW(Component):
     lr: float = Field(1e-5, ge=0)
@@ -101,6 +123,15 @@ class TrainMetric(Component):
     pass
 
 
+class DPOMetric(Component):
+    beta: float = Field(0.1, gt=0)
+
+
+class GRPOMetric(Component):
+    epsilon: float = Field(0.2, ge=0, lt=1)
+    epsilon_high: float | None = Field(None, ge=0)
+
+
 # --- templates: the served model's own chat template, whatever the name (the tokenizer is the server's)
 class Template(Component):
     model_id: str | None = None  # the client's tokenizer id; the server always uses the served model's own
@@ -120,14 +151,15 @@ class InputProcessor(Component):
 
 
 COMPONENTS: dict[Slot, dict[str, type[Component]]] = {
-    "loss": {"CrossEntropyLoss": CrossEntropyLoss},
+    "loss": {"CrossEntropyLoss": CrossEntropyLoss, "GRPOLoss": GRPOLoss, "DPOLoss": DPOLoss},
     "optimizer": {"AdamW": AdamW, "Adam": Adam, "SGD": SGD},
     "scheduler": {
         "CosineWarmupScheduler": CosineWarmupScheduler, "LinearWarmupScheduler": LinearWarmupScheduler,
         "LinearLR": LinearLR, "CosineAnnealingLR": CosineAnnealingLR, "constant": ConstantScheduler,
         "ConstantScheduler": ConstantScheduler,
     },
-    "metric": {"LossMetric": LossMetric, "Accuracy": Accuracy, "TrainMetric": TrainMetric},
+    "metric": {"LossMetric": LossMetric, "Accuracy": Accuracy, "TrainMetric": TrainMetric, "DPOMetric": DPOMetric,
+               "GRPOMetric": GRPOMetric},
     "template": {"Template": Template, "Qwen3_5Template": Template},
     "processor": {"InputProcessor": InputProcessor},
     "patch": {},  # patches change the model every tenant shares: none is offered

@@ -166,3 +166,52 @@ def test_lora_config_limits(a: Native) -> None:
         r = a.op("add_adapter_to_model", adapter_name="x", config=config)
         assert r.status_code == 400 and word in r.json()["detail"], r.text
     assert a.op("add_adapter_to_model", adapter_name="../x", config=LORA).status_code == 400
+
+
+def test_dpo_against_the_base_model_reference(a: Native) -> None:
+    setup_adapter(a, gas=1)
+    a.ok("set_loss", loss_cls="DPOLoss", adapter_name="default", beta=0.5)
+    a.ok("add_metric", metric_cls="DPOMetric", adapter_name="default", beta=0.5, is_training=True)
+    pairs = rows(seed=4)  # (chosen, rejected), (chosen, rejected)
+    ref = a.ok("forward_only", inputs=pairs, adapter_name="default", disable_lora=True)["result"]
+    fresh = a.ok("forward_only", inputs=pairs, adapter_name="default")["result"]
+    np.testing.assert_allclose(ref["logps"], fresh["logps"], rtol=1e-5, atol=1e-6)  # a new adapter is the base
+    losses = []
+    for _ in range(6):
+        out = a.ok("forward_backward", inputs=pairs, adapter_name="default", ref_outputs=ref)["result"]
+        losses.append(out["loss"])
+        a.ok("clip_grad_and_step", adapter_name="default")
+    assert losses[0] == pytest.approx(np.log(2), rel=1e-4)  # policy == reference: margin 0
+    assert losses[-1] < losses[0]
+    metric = a.ok("calculate_metric", is_training=True, adapter_name="default")["result"]
+    assert metric["rewards/accuracies"].endswith("%") and float(metric["rewards/margins"]) > 0
+    trained = a.ok("forward_only", inputs=pairs, adapter_name="default", disable_lora=True)["result"]
+    np.testing.assert_allclose(trained["logps"], ref["logps"], rtol=1e-5, atol=1e-6)  # the base is untouched
+    r = a.op("forward_backward", inputs=pairs[:3], adapter_name="default", ref_outputs=ref)
+    assert r.status_code == 400 and "pairs" in r.json()["detail"]
+
+
+def test_grpo_step_with_sampler_logprobs(a: Native) -> None:
+    setup_adapter(a, gas=1)
+    a.ok("set_loss", loss_cls="GRPOLoss", adapter_name="default", epsilon=0.2)
+    a.ok("add_metric", metric_cls="GRPOMetric", adapter_name="default")
+    prompt = {"input_ids": list(range(5, 13)), "labels": [-100] * 8}
+    r = a.http.post(f"/sampler/{a.model}/twinkle/sample", json={
+        "inputs": [prompt], "sampling_params": {"max_tokens": 6, "temperature": 1.0, "logprobs": 1, "seed": 3,
+                                                "num_samples": 4}})
+    assert r.status_code == 200, r.text
+    seqs = r.json()["samples"][0]["sequences"]
+    assert len(seqs) == 4
+    features = [s["new_input_feature"] for s in seqs]
+    old = [[lp[0][1] for lp in s["logprobs"]] for s in seqs]
+    for f, o in zip(features, old):
+        assert sum(t != -100 for t in f["labels"]) == len(o)  # one old logp per generated (label) token
+    rewards = np.array([len(s["tokens"]) % 3 for s in seqs], dtype=float)
+    adv = ((rewards - rewards.mean()) / (rewards.std() + 1e-6)).tolist()
+    out = a.ok("forward_backward", inputs=features, adapter_name="default", advantages=adv, old_logps=old)["result"]
+    assert np.isfinite(out["loss"]) and abs(out["loss"]) < 1e-3  # on-policy: ratio 1, advantages sum to ~0
+    assert float(a.ok("clip_grad_and_step", adapter_name="default")["result"]) >= 0
+    metric = a.ok("calculate_metric", is_training=True, adapter_name="default")["result"]
+    assert abs(metric["train/logp_diff_mean"]) < 1e-3 and metric["train/approx_kl"] >= 0  # the sampler's logps
+    r = a.op("forward_backward", inputs=features, adapter_name="default")
+    assert r.status_code == 400 and "advantages" in r.json()["detail"]

@@ -100,6 +100,26 @@ def _gspo(d: _Datum, cfg: Mapping[str, float]) -> tuple[torch.Tensor, torch.Tens
     return -objective, _clipped_count(ratio.detach(), adv, lo, hi)
 
 
+def _dpo(datums: list[_Datum], cfg: Mapping[str, float]) -> LossOutput:
+    """DPO over (chosen, rejected) pairs in datum order: with s = sum(w * lp) and s_ref = sum(w * ref) per datum,
+    margin = beta * ((s_c - s_ref_c) - (s_r - s_ref_r)); loss = mean over pairs of
+    -(1 - ls) * logsigmoid(margin) - ls * logsigmoid(-margin), plus sft_weight * the chosen tokens' mean NLL."""
+    if not datums or len(datums) % 2:
+        raise LossSpecError(f"dpo: needs (chosen, rejected) pairs, got {len(datums)} datums")
+    seq = torch.stack([(d.lp * d.x["weights"]).sum() for d in datums])
+    ref = torch.stack([(d.x["ref_logprobs"] * d.x["weights"]).sum() for d in datums])
+    margin = cfg["beta"] * ((seq[0::2] - ref[0::2]) - (seq[1::2] - ref[1::2]))
+    ls = cfg["label_smoothing"]
+    pair = -(1 - ls) * torch.nn.functional.logsigmoid(margin) - ls * torch.nn.functional.logsigmoid(-margin)
+    loss = pair.mean()
+    if cfg["sft_weight"] > 0:
+        chosen = datums[0::2]
+        tokens = torch.stack([d.x["weights"].sum() for d in chosen]).sum().clamp(min=1)
+        loss = loss + cfg["sft_weight"] * -seq[0::2].sum() / tokens
+    outputs = [{"logprobs": d.lp.detach()} for d in datums]
+    return LossOutput(loss=loss, outputs=outputs, metrics={"loss:sum": float(loss.detach())})
+
+
 _BODIES: dict[str, _Body] = {
     "cross_entropy": _cross_entropy,
     "importance_sampling": _importance_sampling,
@@ -168,13 +188,15 @@ def compute_loss(
     `custom` is the checked graph of loss_fn "custom" (the job carries it; workers/engine/custom_loss.py runs it)."""
     if len(logprobs) != len(inputs):
         raise LossSpecError(f"{loss_fn}: {len(logprobs)} logprob tensors for {len(inputs)} datums")
-    validate_loss_request(loss_fn, [set(d) for d in inputs], config)
+    validate_loss_request(loss_fn, [set(d) for d in inputs], config, engine=True)
     if loss_fn == "custom":
         if custom is None or custom.loss_id != config.get("loss_id"):
             raise CustomLossError("custom: the job carries no graph for its loss_id")
         res = run_custom_loss(custom, logprobs, inputs)
         return LossOutput(loss=res.loss, outputs=res.outputs, metrics=res.metrics)
-    cfg = resolve_loss_config(loss_fn, config)
+    cfg = resolve_loss_config(loss_fn, config, engine=True)
+    if loss_fn == "dpo":
+        return _dpo([_prepare(loss_fn, i, lp, raw) for i, (lp, raw) in enumerate(zip(logprobs, inputs))], cfg)
     body = _BODIES[loss_fn]
 
     # Prepare (validate) every datum first so a bad datum fails the chunk before any math runs.

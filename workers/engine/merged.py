@@ -130,7 +130,8 @@ class MergedPass:
         for it in items:
             it.start = start
             stop = start + len(it.data)
-            routes.append(Route(it.job.model_id, start, stop))
+            base = it.req.base_only and it.req.forward_only  # a reference pass: the rows skip every adapter
+            routes.append(Route(None if base else it.job.model_id, start, stop))
             start = stop
         device = self.base.device
         grad = any(not it.forward_only for it in items)

@@ -118,8 +118,8 @@ async def forward(model: str, ctx: Ctx, tenant: Tenant, session: SessionId, body
 
 @router.post("/calculate_loss")
 async def calculate_loss(model: str, ctx: Ctx, tenant: Tenant, session: SessionId, body: JsonBody) -> dict[str, Any]:
-    async with adapter_op(ctx, tenant, session, model, body) as (adapter, _):
-        return {"result": await steps.calculate_loss(ctx, adapter)}
+    async with adapter_op(ctx, tenant, session, model, body) as (adapter, kwargs):
+        return {"result": await steps.calculate_loss(ctx, adapter, kwargs)}
 
 
 @router.post("/backward")

@@ -13,102 +13,120 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 from api_schemas.jobs import SGD, Adam, AdamW, ForwardBackward, ForwardBackwardResult, LRSchedule, OptimStep, OptimStepResult
 from api_schemas.native.features import Feature, FeatureError, read_features
 from server.errors import BadRequest
 from server.services.context import Context
-from server.services.native import metrics
+from server.services.native import losses, metrics
 from server.services.native.adapters import Adapter, JobFailed, run, save_state
+from server.services.native.losses import EngineBatch
 
 FORWARD_KWARGS = {"gradient_accumulation_steps", "temperature", "return_logits", "disable_lora", "task"}
+LOSS_KWARGS = {"GRPOLoss": {"advantages", "old_logps"}, "DPOLoss": {"ref_outputs", "ref_logps"}}
 
 
-def _features(ctx: Context, adapter: Adapter, inputs: object, labels_required: bool = True) -> list[Feature]:
+def _features(ctx: Context, adapter: Adapter, inputs: object) -> list[Feature]:
     served = ctx.served(adapter.model.base_model)
     try:
         return read_features(inputs, vocab_size=served.vocab_size, max_len=served.max_context,
-                             max_rows=ctx.settings.max_datums_per_request, labels_required=labels_required)
+                             max_rows=ctx.settings.max_datums_per_request)
     except FeatureError as e:
         raise BadRequest(str(e)) from None
 
 
-def check_forward_kwargs(kwargs: dict[str, Any]) -> None:
-    unknown = sorted(set(kwargs) - FORWARD_KWARGS)
+def check_forward_kwargs(adapter: Adapter, kwargs: dict[str, Any], training: bool = True) -> None:
+    loss_name = adapter.settings["loss"]["name"]
+    accepted = FORWARD_KWARGS | (LOSS_KWARGS.get(loss_name, set()) if training else set())
+    unknown = sorted(set(kwargs) - accepted)
     if unknown:
-        raise BadRequest(f"unknown arguments {unknown}; accepted: {sorted(FORWARD_KWARGS)}")
+        raise BadRequest(f"unknown arguments {unknown} for this adapter's {loss_name}; accepted: {sorted(accepted)}")
     if kwargs.get("temperature", 1.0) not in (1, 1.0, None):
         raise BadRequest("temperature other than 1.0 is not supported for training passes")
     if kwargs.get("return_logits"):
         raise BadRequest("return_logits is not supported: logits are vocabulary-sized; logps are returned")
     if kwargs.get("task", "causal_lm") not in ("causal_lm", None):
         raise BadRequest("only task 'causal_lm' is supported")
-    if kwargs.get("disable_lora"):
+    if kwargs.get("disable_lora") and training:
         raise BadRequest("disable_lora (a reference pass on the base model) is available on forward_only only")
     gas = kwargs.get("gradient_accumulation_steps")
     if gas is not None and (not isinstance(gas, int) or isinstance(gas, bool) or not 1 <= gas <= 10_000):
         raise BadRequest("gradient_accumulation_steps must be an integer from 1 to 10000")
 
 
-def _loss(adapter: Adapter) -> tuple[str, bool]:
-    """(engine loss name, whether the loss is a sum over label tokens) of the adapter's set_loss."""
+def summed_loss(adapter: Adapter) -> bool:
+    """Whether the adapter's loss is a sum over label tokens (its window is then divided by their count)."""
     loss = adapter.settings["loss"]
-    if loss["name"] == "CrossEntropyLoss":
-        return "cross_entropy", loss["args"].get("reduction", "mean") == "sum"
-    raise BadRequest(f"loss {loss['name']} is not available for this operation")
+    return loss["name"] == "CrossEntropyLoss" and loss["args"].get("reduction", "mean") == "sum"
 
 
-def _batch(features: list[Feature], summed: bool, forward_only: bool) -> tuple[ForwardBackward, int]:
-    tokens = int(sum(int(f.mask.sum()) for f in features))
-    scale = 1.0 if summed else 1.0 / max(tokens, 1)  # mean: each label token weighs 1 / the batch's label tokens
-    datums = [(f.input_ids, {"target_tokens": f.targets, "weights": f.mask.astype(np.float32) * np.float32(scale)})
-              for f in features]
-    return ForwardBackward.build(datums, forward_only=forward_only, loss_fn="cross_entropy", loss_config={}), tokens
+def _engine_batch(adapter: Adapter, features: list[Feature], kwargs: dict[str, Any], training: bool) -> EngineBatch:
+    """The adapter's loss on `features` as an engine batch; passes that only read logps use cross-entropy."""
+    loss = adapter.settings["loss"]
+    a = loss["args"]
+    if not training or loss["name"] == "CrossEntropyLoss":
+        return losses.cross_entropy(features, summed_loss(adapter) if training else True)
+    if loss["name"] == "GRPOLoss":
+        if kwargs.get("advantages") is None:
+            raise BadRequest("GRPOLoss needs advantages (one per row, or one per label token)")
+        high = a.get("epsilon_high")
+        eps = a.get("epsilon", 0.2)
+        return losses.grpo_datums(features, kwargs["advantages"], kwargs.get("old_logps"), epsilon=eps,
+                                  epsilon_high=eps if high is None else high)
+    ref = kwargs.get("ref_logps")
+    if ref is None and isinstance(kwargs.get("ref_outputs"), dict):
+        ref = kwargs["ref_outputs"].get("logps")
+    return losses.dpo_datums(features, ref, beta=a.get("beta", 0.1), label_smoothing=a.get("label_smoothing", 0.0),
+                             sft_weight=a.get("sft_weight", 0.0), reference_free=bool(a.get("reference_free")))
 
 
-def _answer(out: ForwardBackwardResult, tokens: int) -> dict[str, Any]:
-    logps = [d["logprobs"].tolist() for d in out.datum_outputs()]
-    return {"loss": float(out.metrics.get("loss:sum", 0.0)), "logps": logps, "num_tokens": tokens}
-
-
-async def _pass(ctx: Context, adapter: Adapter, inputs: object, forward_only: bool) -> tuple[dict[str, Any], int]:
-    _, summed = _loss(adapter)
-    job, tokens = _batch(_features(ctx, adapter, inputs), summed, forward_only)
+async def _pass(ctx: Context, adapter: Adapter, features: list[Feature], kwargs: dict[str, Any], *, training: bool,
+                forward_only: bool, base_only: bool = False) -> dict[str, Any]:
+    batch = _engine_batch(adapter, features, kwargs, training)
+    job = ForwardBackward.build(batch.datums, forward_only=forward_only, loss_fn=batch.loss_fn,
+                                loss_config=batch.config, base_only=base_only)
     out = await run(ctx, adapter, job)
     if not isinstance(out, ForwardBackwardResult):
         raise JobFailed("the worker answered a training batch with another result")
-    return _answer(out, tokens), tokens
+    loss = batch.value if batch.value is not None else float(out.metrics.get("loss:sum", 0.0))
+    logps = [d["logprobs"].tolist() for d in out.datum_outputs()]
+    return {"loss": loss, "logps": logps, "num_tokens": int(sum(int(f.mask.sum()) for f in features))}
+
+
+def _record(adapter: Adapter, features: list[Feature], result: dict[str, Any], kwargs: dict[str, Any],
+            training: bool) -> None:
+    metrics.add_loss(adapter.progress, training, result["loss"], result["num_tokens"], summed_loss(adapter))
+    metrics.add_rl(adapter.progress, adapter.settings, training, features, result["logps"], kwargs)
 
 
 async def forward_backward(ctx: Context, adapter: Adapter, inputs: object, kwargs: dict[str, Any]) -> dict[str, Any]:
-    check_forward_kwargs(kwargs)
+    check_forward_kwargs(adapter, kwargs)
     if kwargs.get("gradient_accumulation_steps"):
         adapter.settings["gas"] = kwargs["gradient_accumulation_steps"]
-    result, tokens = await _pass(ctx, adapter, inputs, forward_only=False)
-    _count_backward(adapter, tokens, len(result["logps"]))
-    metrics.add_loss(adapter.progress, True, result["loss"], tokens, _loss(adapter)[1])
+    features = _features(ctx, adapter, inputs)
+    result = await _pass(ctx, adapter, features, kwargs, training=True, forward_only=False)
+    _count_backward(adapter, result["num_tokens"])
+    _record(adapter, features, result, kwargs, True)
     await save_state(ctx, adapter)
     return result
 
 
 async def forward_only(ctx: Context, adapter: Adapter, inputs: object, kwargs: dict[str, Any]) -> dict[str, Any]:
-    if kwargs.get("disable_lora"):
-        raise BadRequest("disable_lora (the base model's reference logps) is not offered yet; "
-                         "compute reference logps with a separate adapter that is never stepped")
-    check_forward_kwargs({k: v for k, v in kwargs.items() if k != "disable_lora"})
-    result, tokens = await _pass(ctx, adapter, inputs, forward_only=True)
-    metrics.add_loss(adapter.progress, False, result["loss"], tokens, _loss(adapter)[1])
+    """No gradients; `disable_lora=True`: the base model alone (the reference logps of DPO)."""
+    check_forward_kwargs(adapter, kwargs, training=False)
+    features = _features(ctx, adapter, inputs)
+    result = await _pass(ctx, adapter, features, kwargs, training=False, forward_only=True,
+                         base_only=bool(kwargs.get("disable_lora")))
+    metrics.add_loss(adapter.progress, False, result["loss"], result["num_tokens"], True)
     await save_state(ctx, adapter)
     return result
 
 
 # --- the split form: forward (kept), calculate_loss (its loss), backward (the same batch with gradients) ---
 async def forward(ctx: Context, adapter: Adapter, inputs: object, kwargs: dict[str, Any]) -> dict[str, Any]:
-    check_forward_kwargs(kwargs)
-    _features(ctx, adapter, inputs)  # refuse a bad batch now, not at backward
-    result, tokens = await _pass(ctx, adapter, inputs, forward_only=True)
-    ctx.native.put_forward(adapter.model.id, {"inputs": inputs, "loss": result["loss"], "tokens": tokens})
+    check_forward_kwargs(adapter, kwargs, training=False)
+    features = _features(ctx, adapter, inputs)
+    result = await _pass(ctx, adapter, features, kwargs, training=False, forward_only=True)
+    ctx.native.put_forward(adapter.model.id, {"inputs": inputs, "kwargs": {}})
     return result
 
 
@@ -119,25 +137,34 @@ def _pending(ctx: Context, adapter: Adapter) -> dict[str, Any]:
     return dict(pending)
 
 
-async def calculate_loss(ctx: Context, adapter: Adapter) -> float:
-    return float(_pending(ctx, adapter)["loss"])
+async def calculate_loss(ctx: Context, adapter: Adapter, kwargs: dict[str, Any]) -> float:
+    """The adapter's loss on the waiting forward's batch (the loss kwargs, e.g. GRPO's advantages, are kept for
+    its backward)."""
+    pending = _pending(ctx, adapter)
+    check_forward_kwargs(adapter, kwargs)
+    features = _features(ctx, adapter, pending["inputs"])
+    result = await _pass(ctx, adapter, features, kwargs, training=True, forward_only=True)
+    ctx.native.put_forward(adapter.model.id, {"inputs": pending["inputs"], "kwargs": kwargs})
+    return float(result["loss"])
 
 
 async def backward(ctx: Context, adapter: Adapter, kwargs: dict[str, Any]) -> None:
-    """The gradients of the waiting forward's batch (computed again: the engine keeps no graph between requests,
-    so the result is the same as a forward_backward of that batch)."""
+    """The gradients of the waiting forward's batch under the adapter's loss (computed again: the engine keeps no
+    graph between requests, so this equals a forward_backward of that batch)."""
     pending = _pending(ctx, adapter)
     if kwargs.get("gradient_accumulation_steps"):
-        check_forward_kwargs({"gradient_accumulation_steps": kwargs["gradient_accumulation_steps"]})
+        check_forward_kwargs(adapter, {"gradient_accumulation_steps": kwargs["gradient_accumulation_steps"]})
         adapter.settings["gas"] = kwargs["gradient_accumulation_steps"]
-    result, tokens = await _pass(ctx, adapter, pending["inputs"], forward_only=False)
+    features = _features(ctx, adapter, pending["inputs"])
+    loss_kwargs = pending.get("kwargs") or {}
+    result = await _pass(ctx, adapter, features, loss_kwargs, training=True, forward_only=False)
     ctx.native.drop_forward(adapter.model.id)
-    _count_backward(adapter, tokens, len(result["logps"]))
-    metrics.add_loss(adapter.progress, True, result["loss"], tokens, _loss(adapter)[1])
+    _count_backward(adapter, result["num_tokens"])
+    _record(adapter, features, result, loss_kwargs, True)
     await save_state(ctx, adapter)
 
 
-def _count_backward(adapter: Adapter, tokens: int, rows: int) -> None:
+def _count_backward(adapter: Adapter, tokens: int) -> None:
     p = adapter.progress
     p["backwards"] = p.get("backwards", 0) + 1
     window = p.setdefault("window", {"backwards": 0, "tokens": 0})
@@ -198,8 +225,7 @@ async def step(ctx: Context, adapter: Adapter, max_grad_norm: float | None, norm
     if not _window_full(adapter):
         return "None"
     window = adapter.progress["window"]
-    _, summed = _loss(adapter)
-    divisor = window["tokens"] if summed and window["tokens"] > 0 else window["backwards"]
+    divisor = window["tokens"] if summed_loss(adapter) and window["tokens"] > 0 else window["backwards"]
     job = OptimStep(optimizer=optimizer, schedule=_schedule(adapter, optimizer.learning_rate),
                     grad_scale=1.0 / max(divisor, 1))
     out = await run(ctx, adapter, job)

@@ -1,0 +1,101 @@
+"""The native losses as engine batches: each twinkle loss becomes datums of an engine loss (api_schemas/losses.py)
+whose value and gradient are the twinkle loss's.
+
+- CrossEntropyLoss: `cross_entropy`, weights 1 on label tokens (`sum`) or 1 / the batch's label tokens (`mean`).
+- GRPOLoss (beta 0): upstream's per-token -min(r A, clip(r, 1 - eps, 1 + eps_high) A), averaged per sequence, then
+  over the batch, is `ppo` with each token's advantage scaled by 1 / (its sequence's label tokens x rows): the
+  scale is positive, so it passes through the min. Without `old_logps` upstream's ratio is exp(lp - sg(lp)) = 1:
+  the same gradient as `cross_entropy` with weights A x that scale, and the loss value -mean(A), reported here.
+- DPOLoss (sigmoid): the engine's `dpo` on (chosen, rejected) pairs with the reference logps of the same rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from api_schemas.native.features import Feature
+from server.errors import BadRequest
+
+
+@dataclass(frozen=True)
+class EngineBatch:
+    loss_fn: str
+    datums: list[tuple[np.ndarray, dict[str, np.ndarray]]]
+    config: dict[str, float | str] = field(default_factory=dict)
+    value: float | None = None  # the loss to report instead of the engine's (GRPO without old logps)
+
+
+def cross_entropy(features: list[Feature], summed: bool) -> EngineBatch:
+    tokens = sum(int(f.mask.sum()) for f in features)
+    scale = np.float32(1.0 if summed else 1.0 / max(tokens, 1))
+    return EngineBatch("cross_entropy", [(f.input_ids, {"target_tokens": f.targets,
+                                                        "weights": f.mask.astype(np.float32) * scale})
+                                         for f in features])
+
+
+def _per_token(name: str, i: int, value: object, f: Feature, scalar_ok: bool) -> np.ndarray:
+    """A per-row value on the row's positions: a number (every label token), the label tokens' values in order
+    (upstream's response-only form) or one per position (the full form, longer ones cut)."""
+    n, mask = len(f.input_ids), f.mask
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not scalar_ok:
+            raise BadRequest(f"{name}[{i}] must be a list of numbers")
+        return np.where(mask, float(value), 0.0)
+    if not isinstance(value, Sequence) or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                  for v in value):
+        raise BadRequest(f"{name}[{i}] must be a number or a list of numbers")
+    arr = np.asarray(value, dtype=np.float64)
+    if not np.isfinite(arr).all():
+        raise BadRequest(f"{name}[{i}] holds a non-finite number")
+    if arr.size == int(mask.sum()):
+        out = np.zeros(n)
+        out[mask] = arr
+        return out
+    if arr.size >= n:
+        return np.where(mask, arr[:n], 0.0)
+    raise BadRequest(f"{name}[{i}] has {arr.size} values: give one per label token ({int(mask.sum())}) or one per "
+                     f"position ({n})")
+
+
+def _rows(name: str, values: object, features: list[Feature]) -> Sequence[object]:
+    if not isinstance(values, Sequence) or isinstance(values, (str, bytes)) or len(values) != len(features):
+        raise BadRequest(f"{name} must hold one entry per input row ({len(features)})")
+    return values
+
+
+def grpo_datums(features: list[Feature], advantages: object, old_logps: object, *, epsilon: float,
+                epsilon_high: float) -> EngineBatch:
+    adv = [_per_token("advantages", i, a, f, True) for i, (a, f) in enumerate(
+        zip(_rows("advantages", advantages, features), features))]
+    scale = [1.0 / (max(int(f.mask.sum()), 1) * len(features)) for f in features]
+    if old_logps is None:
+        datums = [(f.input_ids, {"target_tokens": f.targets, "weights": (a * s).astype(np.float32)})
+                  for f, a, s in zip(features, adv, scale)]
+        value = -sum(float((a * f.mask).sum()) * s for f, a, s in zip(features, adv, scale))
+        return EngineBatch("cross_entropy", datums, value=value)
+    old = [_per_token("old_logps", i, o, f, False) for i, (o, f) in enumerate(
+        zip(_rows("old_logps", old_logps, features), features))]
+    datums = [(f.input_ids, {"target_tokens": f.targets, "logprobs": q.astype(np.float32),
+                             "advantages": (a * s).astype(np.float32)})
+              for f, a, q, s in zip(features, adv, old, scale)]
+    return EngineBatch("ppo", datums, {"clip_low_threshold": 1 - epsilon, "clip_high_threshold": 1 + epsilon_high})
+
+
+def dpo_datums(features: list[Feature], ref_logps: object, *, beta: float, label_smoothing: float,
+               sft_weight: float, reference_free: bool) -> EngineBatch:
+    if len(features) % 2:
+        raise BadRequest("DPOLoss needs (chosen, rejected) pairs: an even number of rows, chosen first in each pair")
+    if reference_free:
+        ref = [np.zeros(len(f.input_ids)) for f in features]
+    elif ref_logps is None:
+        raise BadRequest("DPOLoss needs ref_outputs (the result of forward_only(inputs, disable_lora=True)) "
+                         "or reference_free=True")
+    else:
+        ref = [_per_token("ref_outputs.logps", i, r, f, False) for i, (r, f) in enumerate(
+            zip(_rows("ref_outputs.logps", ref_logps, features), features))]
+    datums = [(f.input_ids, {"target_tokens": f.targets, "weights": f.mask.astype(np.float32),
+                             "ref_logprobs": r.astype(np.float32)}) for f, r in zip(features, ref)]
+    return EngineBatch("dpo", datums, {"beta": beta, "label_smoothing": label_smoothing, "sft_weight": sft_weight})

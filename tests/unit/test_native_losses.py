@@ -1,0 +1,109 @@
+"""The native protocol's losses equal their documented formulas (fp64, random inputs): DPOLoss as the engine's `dpo`
+loss, GRPOLoss as the gateway's mapping onto `ppo` (per-sequence mean, then batch mean) and, without old logps,
+onto `cross_entropy` with the same gradient."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from api_schemas.losses import LossSpecError, validate_loss_request
+from server.services.native.losses import grpo_datums
+from api_schemas.native.features import Feature
+from workers.engine.losses import compute_loss
+
+
+def _pairs(seed: int, n: int = 6, t: int = 9) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]:
+    g = torch.Generator().manual_seed(seed)
+    lps = [(-torch.rand(t, generator=g, dtype=torch.float64) * 3).requires_grad_(True) for _ in range(n)]
+    inputs = []
+    for _ in range(n):
+        w = (torch.rand(t, generator=g) > 0.3).to(torch.float64)
+        inputs.append({"target_tokens": torch.zeros(t, dtype=torch.int64), "weights": w,
+                       "ref_logprobs": -torch.rand(t, generator=g, dtype=torch.float64) * 3})
+    return lps, inputs
+
+
+@pytest.mark.parametrize("beta,ls,sft", [(0.1, 0.0, 0.0), (0.5, 0.2, 0.0), (0.1, 0.0, 1.0)])
+def test_dpo_equals_its_formula(beta: float, ls: float, sft: float) -> None:
+    lps, inputs = _pairs(0)
+    out = compute_loss("dpo", lps, inputs, {"beta": beta, "label_smoothing": ls, "sft_weight": sft})
+    s = torch.stack([(lp * x["weights"]).sum() for lp, x in zip(lps, inputs)])
+    r = torch.stack([(x["ref_logprobs"] * x["weights"]).sum() for x in inputs])
+    logits = beta * ((s[0::2] - r[0::2]) - (s[1::2] - r[1::2]))
+    expect = ((1 - ls) * -F.logsigmoid(logits) + ls * -F.logsigmoid(-logits)).mean()
+    if sft:
+        chosen_tokens = sum(float(x["weights"].sum()) for x in inputs[0::2])
+        expect = expect + sft * -s[0::2].sum() / chosen_tokens
+    assert float(out.loss.detach()) == pytest.approx(float(expect.detach()), rel=1e-12)
+    got = torch.autograd.grad(out.loss, lps)
+    want = torch.autograd.grad(expect, lps)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+def test_dpo_needs_pairs_and_is_native_only() -> None:
+    lps, inputs = _pairs(1, n=3)
+    with pytest.raises(LossSpecError, match="pairs"):
+        compute_loss("dpo", lps, inputs, {})
+    with pytest.raises(LossSpecError, match="unknown loss_fn 'dpo'"):  # a Tinker client cannot name it
+        validate_loss_request("dpo", [{"target_tokens", "weights", "ref_logprobs"}], {})
+
+
+def _features(seed: int, rows: int = 4, t: int = 10) -> list[Feature]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(rows):
+        ids = rng.integers(0, 50, size=t)
+        labels = np.full(t, -100)
+        start = 3 + i % 3
+        labels[start:-1] = ids[start + 1:]
+        out.append(Feature(ids.astype(np.int64), labels.astype(np.int64)))
+    return out
+
+
+def _grpo_reference(lps: list[torch.Tensor], feats: list[Feature], adv: list[float], old: list[torch.Tensor] | None,
+                    eps: float, eps_high: float) -> torch.Tensor:
+    """Upstream GRPOLoss (beta 0): per-token -min(r A, clip(r) A), mean per sequence, mean over the batch."""
+    per_seq = []
+    for lp, f, a, i in zip(lps, feats, adv, range(len(feats))):
+        m = torch.from_numpy(f.mask).to(torch.float64)
+        ratio = torch.exp(lp - (old[i] if old is not None else lp.detach()))
+        tok = -torch.min(ratio * a, torch.clamp(ratio, 1 - eps, 1 + eps_high) * a)
+        per_seq.append((tok * m).sum() / m.sum().clamp(min=1))
+    return torch.stack(per_seq).mean()
+
+
+@pytest.mark.parametrize("with_old", [True, False])
+def test_grpo_mapping_equals_upstream_formula(with_old: bool) -> None:
+    feats = _features(0)
+    g = torch.Generator().manual_seed(3)
+    lps = [(-torch.rand(len(f.input_ids), generator=g, dtype=torch.float64) * 2).requires_grad_(True) for f in feats]
+    adv = [1.5, -0.5, 0.25, -1.0]
+    old_full = [lp.detach() + torch.randn(lp.shape, generator=g, dtype=torch.float64) * 0.3 for lp in lps]
+    old_resp = [o[torch.from_numpy(f.mask)].tolist() for o, f in zip(old_full, feats)] if with_old else None
+    batch = grpo_datums(feats, adv, old_resp, epsilon=0.2, epsilon_high=0.28)
+    assert batch.loss_fn == ("ppo" if with_old else "cross_entropy")
+    # fp64 throughout: the batch's float32 inputs are widened from the same numbers the reference uses
+    inputs = [{k: torch.from_numpy(np.asarray(v)) for k, v in x.items()} for _, x in batch.datums]
+    if with_old:
+        for x, o, f in zip(inputs, old_full, feats):
+            want = torch.where(torch.from_numpy(f.mask), o, torch.zeros_like(o))
+            torch.testing.assert_close(x["logprobs"].to(torch.float64), want, rtol=1e-6, atol=1e-6)
+            x["logprobs"] = want
+    for x, f, a in zip(inputs, feats, adv):
+        s = 1.0 / (int(f.mask.sum()) * len(feats))
+        key = "advantages" if with_old else "weights"
+        want = torch.from_numpy(f.mask).to(torch.float64) * a * s
+        torch.testing.assert_close(x[key].to(torch.float64), want, rtol=1e-6, atol=1e-9)  # what the batch sends
+        x[key] = want
+    out = compute_loss(batch.loss_fn, lps, inputs, batch.config)
+    value = batch.value
+    ref = _grpo_reference(lps, feats, adv, [torch.where(torch.from_numpy(f.mask), o, torch.zeros_like(o))
+                                               for o, f in zip(old_full, feats)] if with_old else None, 0.2, 0.28)
+    reported = float(out.loss.detach()) if value is None else value
+    assert reported == pytest.approx(float(ref), rel=1e-9)
+    for a, b in zip(torch.autograd.grad(out.loss, lps), torch.autograd.grad(ref, lps)):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
