@@ -154,6 +154,15 @@ class OptimStep(_Frozen):
     grad_scale: float = 1.0
 
 
+class Gradients(_Frozen):
+    """The model's accumulated gradients without a step: their global norm (times `grad_scale`, as OptimStep would
+    see them), or `clear` to drop them (the native protocol's clip_grad_norm and zero_grad)."""
+
+    kind: Literal["gradients"] = "gradients"
+    action: Literal["norm", "clear"]
+    grad_scale: float = 1.0
+
+
 class SaveWeights(_Frozen):
     kind: Literal["save_weights"] = "save_weights"
     storage_key: str  # relative location inside the checkpoint store, minted by the gateway
@@ -227,7 +236,7 @@ class Sample(_Frozen):
 
 
 Payload = Annotated[
-    CreateModel | ForwardBackward | OptimStep | SaveWeights | LoadWeights | Skip | ReleaseModel | Sample,
+    CreateModel | ForwardBackward | OptimStep | Gradients | SaveWeights | LoadWeights | Skip | ReleaseModel | Sample,
     Field(discriminator="kind"),
 ]
 
@@ -273,6 +282,7 @@ class ResultKind(str, Enum):
     CREATE_MODEL = "create_model"
     FORWARD_BACKWARD = "forward_backward"
     OPTIM_STEP = "optim_step"
+    GRADIENTS = "gradients"
     SAVE = "save"
     LOAD = "load"
     SAMPLE = "sample"
@@ -282,7 +292,8 @@ class ResultKind(str, Enum):
 
 RESULT_KINDS: dict[str, ResultKind] = {
     "create_model": ResultKind.CREATE_MODEL, "forward_backward": ResultKind.FORWARD_BACKWARD,
-    "optim_step": ResultKind.OPTIM_STEP, "save_weights": ResultKind.SAVE, "load_weights": ResultKind.LOAD,
+    "optim_step": ResultKind.OPTIM_STEP, "gradients": ResultKind.GRADIENTS, "save_weights": ResultKind.SAVE,
+    "load_weights": ResultKind.LOAD,
     "sample": ResultKind.SAMPLE, "skip": ResultKind.SKIP, "release_model": ResultKind.RELEASE,
 }
 
@@ -317,6 +328,11 @@ class OptimStepResult(_Frozen):
     metrics: dict[str, float]
     learning_rate: float  # the rate the step used (after the schedule)
     step: int  # the model's optimizer steps so far, this one included
+
+
+class GradientsResult(_Frozen):
+    kind: Literal["gradients"] = "gradients"
+    grad_norm: float  # of the gradients before the action (0 when none were accumulated)
 
 
 class SaveResult(_Frozen):
@@ -356,7 +372,8 @@ class Released(_Frozen):
 
 
 Output = Annotated[
-    ModelReady | ForwardBackwardResult | OptimStepResult | SaveResult | SampleResult | Skipped | Released,
+    ModelReady | ForwardBackwardResult | OptimStepResult | GradientsResult | SaveResult | SampleResult | Skipped
+    | Released,
     Field(discriminator="kind"),
 ]
 _OUTPUT: TypeAdapter[Output] = TypeAdapter(Output)

@@ -17,6 +17,7 @@ import uuid
 from api_schemas.jobs import (
     CreateModel,
     ForwardBackward,
+    Gradients,
     Job,
     JobResult,
     LoadWeights,
@@ -51,7 +52,7 @@ class Recovery:
             return False
         return isinstance(p, (CreateModel, OptimStep, LoadWeights)) or (
             isinstance(p, ForwardBackward) and not p.forward_only
-        )
+        ) or (isinstance(p, Gradients) and p.action == "clear")
 
     def wants_snapshot(self, job: Job, result: JobResult) -> bool:
         if not result.ok:

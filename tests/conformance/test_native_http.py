@@ -215,3 +215,29 @@ def test_grpo_step_with_sampler_logprobs(a: Native) -> None:
     assert abs(metric["train/logp_diff_mean"]) < 1e-3 and metric["train/approx_kl"] >= 0  # the sampler's logps
     r = a.op("forward_backward", inputs=features, adapter_name="default")
     assert r.status_code == 400 and "advantages" in r.json()["detail"]
+
+
+def test_clip_grad_norm_then_step_equals_clip_grad_and_step(a: Native) -> None:
+    setup_adapter(a, gas=1)
+    batch = rows(seed=7, n=2)
+    start = a.ok("save", name="start", save_optimizer=True, adapter_name="default")["twinkle_path"]
+    a.ok("forward_backward", inputs=batch, adapter_name="default")
+    joint = a.ok("clip_grad_and_step", max_grad_norm=0.05, adapter_name="default")["result"]
+    after_joint = a.ok("forward_only", inputs=batch, adapter_name="default")["result"]["logps"]
+
+    a.ok("load", name=start, load_optimizer=True, adapter_name="default")
+    a.ok("forward_backward", inputs=batch, adapter_name="default")
+    norm = a.ok("clip_grad_norm", max_grad_norm=0.05, adapter_name="default")["result"]
+    assert isinstance(norm, str) and float(norm) == pytest.approx(float(joint), rel=1e-6)
+    a.ok("step", adapter_name="default")
+    a.ok("zero_grad", adapter_name="default")  # after a step: nothing left to drop
+    a.ok("lr_step", adapter_name="default")
+    split = a.ok("forward_only", inputs=batch, adapter_name="default")["result"]["logps"]
+    np.testing.assert_allclose(split, after_joint, rtol=1e-6, atol=1e-7)
+
+    # zero_grad drops a full window: the next step has nothing to apply
+    a.ok("forward_backward", inputs=batch, adapter_name="default")
+    a.ok("zero_grad", adapter_name="default")
+    assert a.ok("clip_grad_and_step", adapter_name="default")["result"] == "None"
+    np.testing.assert_allclose(a.ok("forward_only", inputs=batch, adapter_name="default")["result"]["logps"], split,
+                               rtol=1e-6, atol=1e-7)

@@ -26,7 +26,7 @@ from workers.engine.optim_state import AdamState, OptimState
 
 __all__ = [
     "AdamHyper", "AdamState", "InvalidAdamParamsError", "InvalidOptimizerParamsError", "NonFiniteGradError",
-    "OptimState", "SGDHyper", "adam_step", "optimizer_step", "schedule_factor",
+    "OptimState", "SGDHyper", "adam_step", "gradient_norm", "optimizer_step", "schedule_factor",
 ]
 
 # clip_grad_norm_ adds this to the norm before dividing; kept so clipping equals torch's bit for bit.
@@ -195,6 +195,14 @@ def _gradients(params: list[torch.Tensor], grads: list[torch.Tensor | None] | No
     if not math.isfinite(grad_norm):
         raise NonFiniteGradError(f"gradient norm is {grad_norm}; optimizer step skipped, weights unchanged")
     return gs, grad_norm
+
+
+def gradient_norm(params: list[torch.Tensor], grads: list[torch.Tensor | None], scale: float = 1.0) -> float:
+    """The global 2-norm of `grads` (None: zero) times `scale`, as a step would clip by (NaN or inf as they are)."""
+    if not (math.isfinite(scale) and scale > 0):
+        raise InvalidOptimizerParamsError(f"grad_scale must be a finite number > 0, got {scale}")
+    present = [g.detach() for g in grads if g is not None]
+    return _grad_norm(present) * scale if present else 0.0
 
 
 def _clip_coef(grad_norm: float, max_norm: float) -> float:

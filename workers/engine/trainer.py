@@ -14,6 +14,8 @@ from collections.abc import Callable
 from api_schemas.jobs import (
     CreateModel,
     ForwardBackward,
+    Gradients,
+    GradientsResult,
     Job,
     JobResult,
     LoadWeights,
@@ -33,7 +35,7 @@ from workers.engine.adapter_pool import AdapterPool
 from workers.engine.base_model import BaseModel
 from workers.engine.errors import UserJobError, failure
 from workers.engine.merged import MergedPass, job_size
-from workers.engine.optim import optimizer_step
+from workers.engine.optim import gradient_norm, optimizer_step
 from workers.engine.paging import PagingConfig
 from workers.scheduler import JobSize
 
@@ -123,6 +125,8 @@ class Trainer:
         if isinstance(p, OptimStep):
             metrics, lr, step = self.optim_step(job.model_id, p)
             return OptimStepResult(metrics=metrics, learning_rate=lr, step=step)
+        if isinstance(p, Gradients):
+            return GradientsResult(grad_norm=self.gradients(job.model_id, p))
         if isinstance(p, SaveWeights):
             return self._save(job.model_id, p)
         if isinstance(p, LoadWeights):
@@ -147,6 +151,14 @@ class Trainer:
                 raise UserJobError(f"storage quota exceeded: the checkpoint needs {written} bytes, "
                                    f"{max(p.max_bytes, 0)} are left; delete checkpoints to free space")
         return SaveResult(storage_key=p.storage_key, size_bytes=self.store.size_bytes(p.storage_key))
+
+    def gradients(self, model_id: str, p: Gradients) -> float:
+        """The accumulated gradients' global norm (times p.grad_scale); `clear` then drops them."""
+        with self.pool.pinned([model_id]) as (adapter,):
+            norm = gradient_norm(adapter.params, list(adapter.grads), p.grad_scale)
+            if p.action == "clear":
+                adapter.grads = [None] * len(adapter.params)
+            return norm
 
     def optim_step(self, model_id: str, p: OptimStep) -> tuple[dict[str, float], float, int]:
         """(metrics, learning rate used, the model's optimizer steps so far) of one step of the job's optimizer."""

@@ -13,7 +13,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from api_schemas.jobs import SGD, Adam, AdamW, ForwardBackward, ForwardBackwardResult, LRSchedule, OptimStep, OptimStepResult
+from api_schemas.jobs import (
+    SGD,
+    Adam,
+    AdamW,
+    ForwardBackward,
+    ForwardBackwardResult,
+    Gradients,
+    GradientsResult,
+    LRSchedule,
+    OptimStep,
+    OptimStepResult,
+)
 from api_schemas.native.features import Feature, FeatureError, read_features
 from server.errors import BadRequest
 from server.services.context import Context
@@ -178,6 +189,13 @@ def _window_full(adapter: Adapter) -> bool:
     return window.get("backwards", 0) >= max(int(adapter.settings.get("gas", 1)), 1)
 
 
+def _grad_scale(adapter: Adapter) -> float:
+    """1 / the window's label tokens (a summed loss) or 1 / its backwards (a mean loss), as upstream divides."""
+    window = adapter.progress.get("window", {})
+    tokens, backwards = window.get("tokens", 0), window.get("backwards", 0)
+    return 1.0 / max(tokens if summed_loss(adapter) and tokens > 0 else backwards, 1)
+
+
 def _optimizer(adapter: Adapter, max_grad_norm: float | None) -> AdamW | Adam | SGD:
     opt = adapter.settings.get("optimizer")
     if opt is None:
@@ -216,22 +234,24 @@ def _check_norm(norm_type: object) -> None:
 
 
 async def step(ctx: Context, adapter: Adapter, max_grad_norm: float | None, norm_type: object = 2) -> str:
-    """One optimizer step once the accumulation window is full (clipping at `max_grad_norm`, None: none); the
-    gradient norm as upstream prints it, or "None" when the call was a no-op inside the window."""
+    """One optimizer step once the accumulation window is full (clipping at `max_grad_norm`; None: the clip of a
+    clip_grad_norm before it, if any); the gradient norm as upstream prints it, or "None" when the call was a
+    no-op inside the window."""
     _check_norm(norm_type)
-    if max_grad_norm is not None and not max_grad_norm >= 0:
-        raise BadRequest("max_grad_norm must be >= 0")
+    if max_grad_norm is None:
+        max_grad_norm = adapter.progress.get("pending_clip")
+    if max_grad_norm is not None and (not isinstance(max_grad_norm, (int, float)) or not max_grad_norm >= 0):
+        raise BadRequest("max_grad_norm must be a number >= 0")
     optimizer = _optimizer(adapter, max_grad_norm)
     if not _window_full(adapter):
         return "None"
-    window = adapter.progress["window"]
-    divisor = window["tokens"] if summed_loss(adapter) and window["tokens"] > 0 else window["backwards"]
     job = OptimStep(optimizer=optimizer, schedule=_schedule(adapter, optimizer.learning_rate),
-                    grad_scale=1.0 / max(divisor, 1))
+                    grad_scale=_grad_scale(adapter))
     out = await run(ctx, adapter, job)
     if not isinstance(out, OptimStepResult):
         raise JobFailed("the worker answered an optimizer step with another result")
     adapter.progress["window"] = {"backwards": 0, "tokens": 0}
+    adapter.progress.pop("pending_clip", None)
     adapter.progress["steps"] = out.step
     metrics.add_step(adapter.progress, out.metrics.get("grad_norm", 0.0), out.learning_rate)
     await save_state(ctx, adapter)
@@ -239,18 +259,28 @@ async def step(ctx: Context, adapter: Adapter, max_grad_norm: float | None, norm
 
 
 async def clip_grad_norm(ctx: Context, adapter: Adapter, max_grad_norm: float, norm_type: object) -> str:
-    """Inside an accumulation window a no-op ("None"), as upstream. Clipping the window's gradients on its own,
-    before a separate `step`, needs the gradient norm before the step, which the engine does not report yet:
-    refused with a pointer to clip_grad_and_step (the same clip and step in one call)."""
+    """The window's gradient norm (as the step divides them); the clip is applied by the next `step`, with the
+    same arithmetic as clipping now (the coefficient comes from that norm). Inside a window: a no-op, "None"."""
     _check_norm(norm_type)
+    if not isinstance(max_grad_norm, (int, float)) or not max_grad_norm >= 0:
+        raise BadRequest("max_grad_norm must be a number >= 0")
     if not _window_full(adapter):
         return "None"
-    raise BadRequest("clip_grad_norm on its own is not offered yet: call clip_grad_and_step(max_grad_norm=...) "
-                     "(clip + step + zero_grad + lr_step, as upstream's cookbooks do)")
+    out = await run(ctx, adapter, Gradients(action="norm", grad_scale=_grad_scale(adapter)))
+    if not isinstance(out, GradientsResult):
+        raise JobFailed("the worker answered a gradient norm with another result")
+    adapter.progress["pending_clip"] = float(max_grad_norm)
+    await save_state(ctx, adapter)
+    return str(out.grad_norm)
 
 
 async def zero_grad(ctx: Context, adapter: Adapter) -> None:
-    """Gradients are dropped by every step; inside a window (before it is full) upstream ignores zero_grad too."""
-    if _window_full(adapter):
-        raise BadRequest("zero_grad with a full accumulation window and no step: call step first, or "
-                         "clip_grad_and_step (discarding accumulated gradients is not offered)")
+    """Drop a full window's gradients without a step; inside a window (or after a step) a no-op, as upstream."""
+    if not _window_full(adapter):
+        return
+    out = await run(ctx, adapter, Gradients(action="clear"))
+    if not isinstance(out, GradientsResult):
+        raise JobFailed("the worker answered zero_grad with another result")
+    adapter.progress["window"] = {"backwards": 0, "tokens": 0}
+    adapter.progress.pop("pending_clip", None)
+    await save_state(ctx, adapter)
