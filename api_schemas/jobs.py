@@ -303,6 +303,8 @@ class ModelReady(_Frozen):
 
     kind: Literal["model_ready"] = "model_ready"
     model_id: str
+    # the adapter's parameters (PEFT names) and their shapes, as created (the native get_state_dict reads them)
+    parameters: dict[str, tuple[int, ...]] | None = None
 
 
 class ForwardBackwardResult(_Frozen):

@@ -127,3 +127,35 @@ def test_auto_push_when_the_run_finishes(srv: ServerProcess, hub: FakeHub) -> No
     assert done["status"] == "succeeded" and done["trigger"] == "auto" and done["tinker_path"] == path, done
     assert hub.repos["alice/auto"].visibility == "public"
     assert hub.repos["alice/auto"].files == folder_files(srv, path)
+
+
+def test_native_upload_to_hub_and_status(srv: ServerProcess, hub: FakeHub) -> None:
+    """twinkle_client's upload_to_hub: a twinkle:// path (the same checkpoint as its tinker:// one), the token in
+    the request (stored encrypted), polled to `completed`; a server directory is refused; B sees nothing of A's."""
+    with tinker.ServiceClient(base_url=srv.base_url, api_key=srv.api_key_a) as sc:  # type: ignore[attr-defined]
+        path = trained_client(sc, srv.base_model, steps=0).save_weights_for_sampler("native").result().path
+    twinkle_path = path.replace("tinker://", "twinkle://", 1)
+
+    def post(key: str, **body: Any) -> httpx.Response:
+        return httpx.post(f"{srv.base_url}/api/v1/model/{srv.base_model}/twinkle/upload_to_hub", json=body,
+                          headers={"Authorization": f"Bearer {getattr(srv, f'api_key_{key}')}"}, timeout=30)
+
+    def poll(key: str, request_id: str) -> httpx.Response:
+        return httpx.get(f"{srv.base_url}/api/v1/model/{srv.base_model}/twinkle/upload_status/{request_id}",
+                         headers={"Authorization": f"Bearer {getattr(srv, f'api_key_{key}')}"}, timeout=30)
+
+    refused = post("a", checkpoint_dir=str(srv.data_dir), hub_model_id="hf://alice/leak", hub_token=TOKEN_A)
+    assert refused.status_code == 400 and "twinkle://" in refused.json()["detail"]
+    started = post("a", checkpoint_dir={"twinkle_path": twinkle_path, "checkpoint_dir": None},
+                   hub_model_id="hf://alice/native", hub_token=TOKEN_A)
+    assert started.status_code == 200, started.text
+    request_id = started.json()["request_id"]
+    deadline = time.monotonic() + 60
+    while (body := poll("a", request_id).json())["status"] not in ("completed", "failed"):
+        assert body["status"] in ("queued", "running") and time.monotonic() < deadline
+        time.sleep(0.2)
+    assert body == {"request_id": request_id, "status": "completed", "error": None}
+    assert hub.repos["alice/native"].files == folder_files(srv, path)
+    assert poll("b", request_id).status_code == 404
+    assert post("b", checkpoint_dir=twinkle_path, hub_model_id="hf://bob/stolen", hub_token="x").status_code == 404
+    assert TOKEN_A not in srv.log()

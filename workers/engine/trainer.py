@@ -120,8 +120,9 @@ class Trainer:
     def _run(self, job: Job) -> Output:
         p = job.payload
         if isinstance(p, CreateModel):
-            self.pool.create(job.model_id, p.lora, tenant_id=job.tenant_id)
-            return ModelReady(model_id=job.model_id)
+            adapter = self.pool.create(job.model_id, p.lora, tenant_id=job.tenant_id)
+            shapes = {k: tuple(v.shape) for k, v in adapter.peft_state_dict().items()}
+            return ModelReady(model_id=job.model_id, parameters=shapes)
         if isinstance(p, OptimStep):
             metrics, lr, step = self.optim_step(job.model_id, p)
             return OptimStepResult(metrics=metrics, learning_rate=lr, step=step)

@@ -17,7 +17,7 @@ from fastapi import APIRouter, Body, Header
 from server.api.deps import Ctx, Tenant
 from server.errors import BadRequest, NotFound
 from server.services.context import Context
-from server.services.native import adapters, metrics, saves, settings, steps
+from server.services.native import adapters, hub, metrics, saves, settings, steps
 from server.services.native.adapters import Adapter
 
 router = APIRouter(prefix="/model/{model:path}/twinkle")
@@ -181,6 +181,24 @@ async def get_train_configs(model: str, ctx: Ctx, tenant: Tenant, session: Sessi
                             body: JsonBody) -> dict[str, Any]:
     async with adapter_op(ctx, tenant, session, model, body) as (adapter, _):
         return {"result": settings.train_configs(adapter)}
+
+
+@router.post("/upload_to_hub")
+async def upload_to_hub(model: str, ctx: Ctx, tenant: Tenant, body: JsonBody) -> dict[str, Any]:
+    ctx.served(model)
+    return await hub.upload(ctx, tenant, body)
+
+
+@router.get("/upload_status/{request_id}")
+async def upload_status(model: str, request_id: str, ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
+    return await hub.status(ctx, tenant, request_id)
+
+
+@router.post("/get_state_dict")
+async def get_state_dict(model: str, ctx: Ctx, tenant: Tenant, session: SessionId, body: JsonBody) -> dict[str, Any]:
+    """The adapter's parameter names and shapes (the tensors themselves are not JSON: save() and download)."""
+    async with adapter_op(ctx, tenant, session, model, body) as (adapter, _):
+        return {"result": adapter.settings.get("parameters", {})}
 
 
 @router.post("/save")

@@ -21,7 +21,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from api_schemas.jobs import CreateModel, JobResult, LoraSpec, Output, Payload
+from api_schemas.jobs import CreateModel, JobResult, LoraSpec, ModelReady, Output, Payload
 from server.db import repositories as repo
 from server.db.models import ModelRow, NativeAdapterRow, SessionRow
 from server.errors import BadRequest, DomainError, NotFound
@@ -128,7 +128,10 @@ async def create(ctx: Context, tenant_id: str, session: SessionRow, base_model: 
             ctx, tenant_id=tenant_id, base_model=served.name, model_id=model.id, seq_id=0,
             payload=CreateModel(lora=lora.model_copy(update={"seed": seed})))
     adapter = Adapter(model, row, copy.deepcopy(row.settings), copy.deepcopy(row.progress))
-    await wait_output(ctx, model.create_request_id)
+    ready = await wait_output(ctx, model.create_request_id)
+    if isinstance(ready, ModelReady) and ready.parameters is not None:
+        adapter.settings["parameters"] = {k: list(v) for k, v in ready.parameters.items()}
+        await save_state(ctx, adapter)
     return adapter
 
 
