@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import datetime
 
-from sqlalchemy import ColumnElement, func, or_, select
+from sqlalchemy import ColumnElement, func, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from server.db.models import (
@@ -76,19 +76,30 @@ async def native_adapter(s: AsyncSession, tenant_id: str, session_id: str, name:
     return (await s.execute(q)).scalar_one_or_none()
 
 
+async def native_adapter_of_live_session(s: AsyncSession, tenant_id: str, session_id: str,
+                                         name: str) -> tuple[NativeAdapterRow, ModelRow] | None:
+    """The tenant's adapter `name` of its unfinished session `session_id`, with its model, in one query."""
+    q = (select(NativeAdapterRow, ModelRow)
+         .join(ModelRow, ModelRow.id == NativeAdapterRow.model_id)
+         .join(SessionRow, SessionRow.id == NativeAdapterRow.session_id)
+         .where(NativeAdapterRow.session_id == session_id, NativeAdapterRow.adapter_name == name,
+                NativeAdapterRow.tenant_id == tenant_id, SessionRow.tenant_id == tenant_id,
+                SessionRow.finished_at.is_(None)))
+    found = (await s.execute(q)).first()
+    return (found[0], found[1]) if found is not None else None
+
+
 async def take_native_seq(s: AsyncSession, model_id: str) -> int:
-    """The adapter's next seq_id, counted up in the same transaction (row-locked where the database can)."""
-    q = select(NativeAdapterRow).where(NativeAdapterRow.model_id == model_id).with_for_update()
-    row = (await s.execute(q)).scalar_one()
-    seq = row.next_seq
-    row.next_seq = seq + 1
-    return seq
+    """The adapter's next seq_id, counted up in one statement (atomic in SQLite and Postgres alike)."""
+    q = (update(NativeAdapterRow).where(NativeAdapterRow.model_id == model_id)
+         .values(next_seq=NativeAdapterRow.next_seq + 1).returning(NativeAdapterRow.next_seq))
+    return int((await s.execute(q)).scalar_one()) - 1
 
 
 async def update_native_adapter(s: AsyncSession, model_id: str, *, settings: dict, progress: dict) -> None:
-    row = await s.get(NativeAdapterRow, model_id)
-    if row is not None:
-        row.settings, row.progress = dict(settings), dict(progress)
+    q = (update(NativeAdapterRow).where(NativeAdapterRow.model_id == model_id)
+         .values(settings=dict(settings), progress=dict(progress)))
+    await s.execute(q)
 
 
 # --- checkpoints ---

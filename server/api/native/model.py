@@ -33,12 +33,12 @@ async def adapter_op(ctx: Context, tenant: str, session: str | None, model: str,
     """The caller's adapter named by the body (locked for the operation) and the body's other fields."""
     ctx.served(model)
     kwargs = dict(body)
-    adapter = await adapters.find(ctx, tenant, session, kwargs.pop("adapter_name", None))
-    if adapter.model.base_model != model:
-        raise NotFound(f"adapter {adapter.name!r} is trained on {adapter.model.base_model}, not {model}")
-    async with adapters.locked(ctx, adapter):
-        fresh = await adapters.find(ctx, tenant, session, adapter.name)  # its state as the previous op left it
-        yield fresh, kwargs
+    name = adapters.check_adapter_name(kwargs.pop("adapter_name", None))
+    async with adapters.locked(ctx, tenant, session, name):  # the state read inside is the previous op's result
+        adapter = await adapters.find(ctx, tenant, session, name)
+        if adapter.model.base_model != model:
+            raise NotFound(f"adapter {adapter.name!r} is trained on {adapter.model.base_model}, not {model}")
+        yield adapter, kwargs
 
 
 def _pop(kwargs: dict[str, Any], name: str, default: Any = None) -> Any:

@@ -90,14 +90,16 @@ def check_adapter_name(name: object) -> str:
 
 
 async def find(ctx: Context, tenant_id: str, session_id: str | None, adapter_name: object) -> Adapter:
-    """The caller's adapter `adapter_name` of its session; 404 otherwise."""
-    session = await native_session(ctx, tenant_id, session_id)
+    """The caller's adapter `adapter_name` of its live session; 404 otherwise. One query on the way that works."""
     name = check_adapter_name(adapter_name)
+    if not session_id:
+        await native_session(ctx, tenant_id, session_id)  # raises: no session header
     async with ctx.db.session() as s:
-        row = await repo.native_adapter(s, tenant_id, session.id, name)
-        model = await repo.model_by_id(s, row.model_id) if row is not None else None
-    if row is None or model is None or row.tenant_id != tenant_id:
+        found = await repo.native_adapter_of_live_session(s, tenant_id, str(session_id), name)
+    if found is None:
+        await native_session(ctx, tenant_id, session_id)  # the session's own 404 (unknown, another's, ended)
         raise NotFound(f"adapter {name!r} not found in this session; call add_adapter_to_model first")
+    row, model = found
     if model.released_at is not None:
         raise NotFound(f"adapter {name!r} was released when its session ended; resume from a saved checkpoint")
     return Adapter(model, row, copy.deepcopy(row.settings), copy.deepcopy(row.progress))
@@ -140,8 +142,9 @@ def lora_of(adapter: Adapter) -> LoraSpec:
 
 
 @asynccontextmanager
-async def locked(ctx: Context, adapter: Adapter) -> AsyncIterator[None]:
-    async with ctx.native.lock(adapter.model.id):
+async def locked(ctx: Context, tenant_id: str, session_id: str | None, name: str) -> AsyncIterator[None]:
+    """One operation at a time on the adapter `name` of this session (in this gateway)."""
+    async with ctx.native.lock(f"{tenant_id}/{session_id}/{name}"):
         yield
 
 

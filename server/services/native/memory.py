@@ -16,12 +16,12 @@ class NativeMemory:
         self._locks: dict[str, asyncio.Lock] = {}
         self._pending: OrderedDict[str, Any] = OrderedDict()
 
-    def lock(self, model_id: str) -> asyncio.Lock:
-        lock = self._locks.get(model_id)
+    def lock(self, key: str) -> asyncio.Lock:
+        lock = self._locks.get(key)
         if lock is None:
             if len(self._locks) > 100_000:  # drop idle locks (none is held by a waiting operation)
                 self._locks = {k: v for k, v in self._locks.items() if v.locked()}
-            lock = self._locks[model_id] = asyncio.Lock()
+            lock = self._locks[key] = asyncio.Lock()
         return lock
 
     def put_forward(self, model_id: str, value: Any) -> None:
