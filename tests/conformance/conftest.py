@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.native_http import Native
 from tests.support.server import ServerProcess, add_server_log, two_tenant_server
 from tests.support.tiny_model import build_tiny_model
 
@@ -25,6 +26,12 @@ def server(server_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     srv = two_tenant_server(tmp_path_factory.mktemp("server"), str(server_model_dir))
     yield srv
     srv.stop()
+
+
+@pytest.fixture()
+def a(server: ServerProcess) -> Native:
+    """Tenant A's native (twinkle_client) session on the conformance server."""
+    return Native(server, server.api_key_a)
 
 
 @pytest.hookimpl(hookwrapper=True)

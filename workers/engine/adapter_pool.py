@@ -155,12 +155,17 @@ class AdapterPool:
         if meta.get("base_model") != self.base.name:
             raise AdapterError(f"checkpoint was trained on {meta.get('base_model')}, not {self.base.name}")
         spec = LoraSpec(**meta["lora"])
+        alpha = float(meta["alpha"])
         if create or model_id not in self.adapters:
-            adapter = self.create(model_id, spec, float(meta["alpha"]), tenant_id=tenant_id)
+            adapter = self.create(model_id, spec, alpha, tenant_id=tenant_id)
         else:
             adapter = self.get(model_id)
             if adapter.spec.rank != spec.rank or adapter.modules != self.create_modules(spec):
                 raise AdapterError("checkpoint LoRA shape differs from this model's (rank or target modules)")
+            if adapter.alpha != alpha or adapter.spec.rslora != spec.rslora:
+                # the checkpoint's scaling comes with its weights (as PEFT loads an adapter with its own config)
+                adapter = self.create(model_id, adapter.spec.model_copy(update={"alpha": alpha, "rslora": spec.rslora}),
+                                      alpha, tenant_id=tenant_id)
         weights = load_file(str(folder / "adapter_model.safetensors"))
         with torch.no_grad():
             for key, value in adapter.peft_state_dict().items():
