@@ -23,6 +23,7 @@ from server.api.tinker import bootstrap, futures, models, sampling, sessions, tr
 from server.api.native import hub as native_hub
 from server.api.native import manage as native_manage
 from server.api.native import model as native_model
+from server.api.native import processor as native_processor
 from server.api.native import sampler as native_sampler
 from server.api.tinker import checkpoints, custom_losses, downloads, runs
 from server.auth.keys import KeyCache
@@ -85,7 +86,7 @@ def create_app(
     for module in (checkpoints, runs, downloads, custom_losses):
         app.include_router(module.router, prefix="/api/v1", tags=["tinker"])
     app.include_router(native_hub.router, prefix="/native/v1", tags=["native"])
-    for module in (native_manage, native_model, native_sampler):  # twinkle_client's protocol (server/api/native/)
+    for module in (native_manage, native_model, native_sampler, native_processor):  # twinkle_client (api/native/)
         app.include_router(module.router, prefix="/api/v1", tags=["twinkle"])
     app.include_router(health.router)  # /healthz, /readyz (load balancers, docker-compose, Kubernetes)
 

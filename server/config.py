@@ -41,6 +41,11 @@ class Settings(BaseSettings):
     # capacity_info's max_loras (native protocol) for a tenant without a live-model quota: the adapters one base
     # model is sized to carry (idle ones page to host memory and disk)
     native_capacity_adapters: int = Field(1000, gt=0)
+    # server-held datasets of the native protocol (twinkle_client.dataset / dataloader; in the gateway's memory,
+    # server/services/native/datasets.py): objects, rows and JSON bytes one tenant may hold at a time
+    native_processor_objects_per_tenant: int = Field(20, gt=0)
+    native_processor_rows_per_tenant: int = Field(100_000, gt=0)
+    native_processor_bytes_per_tenant: int = Field(32 * 1024 * 1024, gt=0)
     auth_cache_seconds: float = Field(5.0, ge=0)  # a revoked key stops working within this many seconds
     log_level: str = "INFO"
     # One log line per HTTP request (uvicorn's access log). Off by default: the SDK's long-polls and heartbeats
