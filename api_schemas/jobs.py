@@ -50,6 +50,7 @@ class LoraSpec(_Frozen):
     alpha: float | None = None
     rslora: bool = False
     modules: tuple[str, ...] | None = None
+    dropout: float = Field(0.0, ge=0, lt=1)  # PEFT's lora_dropout on the adapter's input, in training passes
 
 
 class AdamW(_Frozen):

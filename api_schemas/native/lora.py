@@ -29,7 +29,6 @@ _MUST_BE: dict[str, tuple[object, ...]] = {
     "modules_to_save": (None, [], ()),
     "target_parameters": (None, [], ()),
     "trainable_token_indices": (None,),
-    "lora_dropout": (0, 0.0, None),
     "fan_in_fan_out": (False, None),
 }
 
@@ -60,7 +59,10 @@ def parse_lora_config(config: object, max_rank: int, seed: int) -> LoraSpec:
     rslora = data.get("use_rslora", False)
     if not isinstance(rslora, bool):
         raise LoraConfigError(f"LoraConfig use_rslora must be true or false, got {rslora!r}")
-    return LoraSpec(rank=rank, seed=seed, alpha=float(alpha), rslora=rslora,
+    dropout = data.get("lora_dropout") or 0.0
+    if not isinstance(dropout, (int, float)) or isinstance(dropout, bool) or not 0 <= dropout <= 0.9:
+        raise LoraConfigError(f"LoraConfig lora_dropout must be a number from 0 to 0.9, got {dropout!r}")
+    return LoraSpec(rank=rank, seed=seed, alpha=float(alpha), rslora=rslora, dropout=float(dropout),
                     modules=_targets(data.get("target_modules")))
 
 

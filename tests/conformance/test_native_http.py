@@ -108,7 +108,8 @@ def test_allow_lists_and_paths_are_refused_by_name(a: Native, op: str, body: dic
 def test_lora_config_limits(a: Native) -> None:
     a.ok("create")
     for config, word in ((json.dumps({"r": 100000}), "r must be"), (json.dumps({"use_dora": True}), "use_dora"),
-                         (json.dumps({"target_modules": ["embed_tokens"]}), "target_modules"), (None, "full-parameter")):
+                         (json.dumps({"target_modules": ["embed_tokens"]}), "target_modules"),
+                         (json.dumps({"lora_dropout": 0.95}), "lora_dropout"), (None, "full-parameter")):
         r = a.op("add_adapter_to_model", adapter_name="x", config=config)
         assert r.status_code == 400 and word in r.json()["detail"], r.text
     assert a.op("add_adapter_to_model", adapter_name="../x", config=LORA).status_code == 400
@@ -187,3 +188,15 @@ def test_clip_grad_norm_then_step_equals_clip_grad_and_step(a: Native) -> None:
     assert a.ok("clip_grad_and_step", adapter_name="default")["result"] == "None"
     np.testing.assert_allclose(a.ok("forward_only", inputs=batch, adapter_name="default")["result"]["logps"], split,
                                rtol=1e-6, atol=1e-7)
+
+
+def test_lora_dropout_trains_and_evaluates_deterministically(a: Native) -> None:
+    a.ok("create")
+    a.ok("add_adapter_to_model", adapter_name="d", config=json.dumps({"r": 4, "lora_dropout": 0.2}))
+    a.ok("set_optimizer", optimizer_cls="AdamW", adapter_name="d", lr=1e-2)
+    batch = rows(seed=9, n=2)
+    for _ in range(2):
+        assert np.isfinite(a.ok("forward_backward", inputs=batch, adapter_name="d")["result"]["loss"])
+        a.ok("clip_grad_and_step", adapter_name="d")
+    first = a.ok("forward_only", inputs=batch, adapter_name="d")["result"]["logps"]
+    assert a.ok("forward_only", inputs=batch, adapter_name="d")["result"]["logps"] == first  # no dropout in eval

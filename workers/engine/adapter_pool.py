@@ -134,7 +134,7 @@ class AdapterPool:
             "base_model_name_or_path": self.base.name,
             "r": adapter.spec.rank,
             "lora_alpha": adapter.alpha,
-            "lora_dropout": 0.0,
+            "lora_dropout": adapter.spec.dropout,
             "use_rslora": adapter.spec.rslora,
             "bias": "none",
             "fan_in_fan_out": False,

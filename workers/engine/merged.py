@@ -15,6 +15,8 @@ after the forward, a training job after the backward), so futures complete witho
 
 from __future__ import annotations
 
+import hashlib
+
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -135,7 +137,9 @@ class MergedPass:
             start = stop
         device = self.base.device
         grad = any(not it.forward_only for it in items)
-        with torch.set_grad_enabled(grad), routed(self.base.layers, routes):
+        dropout = {it.job.model_id: (it.adapter.spec.dropout, _generator(it.job, device))
+                   for it in items if not it.forward_only and it.adapter.spec.dropout > 0}
+        with torch.set_grad_enabled(grad), routed(self.base.layers, routes, dropout=dropout):
             logp = self.base.logprob_logits(torch.from_numpy(ids).to(device), torch.from_numpy(mask).to(device))
         return logp.gather(-1, torch.from_numpy(targets).to(device))
 
@@ -169,6 +173,12 @@ class MergedPass:
                 continue
             self.pool.accumulate(it.adapter, tuple(mine))
             on_result(_result(it.job, out))
+
+
+def _generator(job: Job, device: torch.device) -> torch.Generator:
+    """The job's own dropout randomness: seeded by its id, so a replay (recovery) or a retry draws the same masks."""
+    seed = int(hashlib.sha256(job.job_id.encode()).hexdigest()[:15], 16)
+    return torch.Generator(device=device).manual_seed(seed)
 
 
 def _targets(d: _Datum) -> np.ndarray:

@@ -41,6 +41,7 @@ from api_schemas.jobs import ATTN_MODULES, MLP_MODULES, UNEMBED_MODULES
 # one layer's adapters: id -> A (r, in), id -> B (out, r), id -> scale
 LayerAdapters = tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, float]]
 Stacks = dict["LoraLinear", tuple[tuple[str, ...], torch.Tensor, torch.Tensor]]
+Dropout = dict[str, tuple[float, torch.Generator]]  # adapter id -> (lora_dropout p, its generator for this pass)
 _NO_ADAPTERS: LayerAdapters = ({}, {}, {})  # a layer outside a frozen set (another model's)
 
 
@@ -153,6 +154,7 @@ class _Routing:
 
     routes: tuple[Route, ...]  # of an adapter only
     frozen: FrozenAdapters | None  # None: the layers' own (trainable) adapters
+    dropout: Dropout = field(default_factory=dict)
     layouts: dict[tuple, _Layout] = field(default_factory=dict)
 
     def add_term(self, layer: LoraLinear, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -163,6 +165,8 @@ class _Routing:
         present = [r for r in self.routes if r.adapter_id in a]
         if not present:
             return y
+        if self.dropout and torch.is_grad_enabled():
+            x = self._dropped(x, present)
         # with autograd, no in-place op on a view of y: its backward would copy a y-sized gradient per op
         in_place = not torch.is_grad_enabled()
         rows, per_row = y.shape[0], y.numel() // (y.shape[0] * y.shape[-1])  # tokens per row
@@ -181,6 +185,21 @@ class _Routing:
             aid: str = r.adapter_id  # type: ignore[assignment]
             flat[r.start * per_row : r.stop * per_row].addmm_(xs @ a[aid].t(), b[aid].t(), alpha=scales[aid])
         return y
+
+    def _dropped(self, x: torch.Tensor, present: list[Route]) -> torch.Tensor:
+        """`x` with the rows of dropout adapters dropped out (kept ones scaled by 1 / (1 - p)); the base layer has
+        already read the original."""
+        out = None
+        for r in present:
+            p_gen = self.dropout.get(r.adapter_id)  # type: ignore[arg-type]
+            if p_gen is None or p_gen[0] <= 0:
+                continue
+            p, gen = p_gen
+            rows = x[r.start : r.stop]
+            keep = torch.empty(rows.shape, dtype=x.dtype, device=x.device).bernoulli_(1 - p, generator=gen)
+            out = x.clone() if out is None else out
+            out[r.start : r.stop] = rows * keep / (1 - p)
+        return x if out is None else out
 
     def _stacked(self, layer: LoraLinear, ids: tuple[str, ...], a: dict[str, torch.Tensor],
                  b: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -284,16 +303,18 @@ def wrap_linear_layers(model: nn.Module) -> dict[str, LoraLinear]:
 
 
 @contextlib.contextmanager
-def routed(layers: dict[str, LoraLinear], routes: list[Route], frozen: FrozenAdapters | None = None) -> Iterator[None]:
+def routed(layers: dict[str, LoraLinear], routes: list[Route], frozen: FrozenAdapters | None = None,
+           dropout: Dropout | None = None) -> Iterator[None]:
     """Set the calling thread's row routing for the duration of one forward (and its backward graph build), through
-    the layers' own adapters or, given `frozen`, through that set's.
+    the layers' own adapters or, given `frozen`, through that set's. `dropout`: adapter id -> (p, generator) for the
+    adapters whose LoRA input is dropped out in this (training) forward, as PEFT's lora_dropout.
 
     `layers` names the model being routed; the routing itself is thread-local, so concurrent forwards on other
     threads (the sampler's, the trainer's) keep their own."""
     del layers  # every LoraLinear reads the thread's routing; kept in the signature for the callers' clarity
     previous = getattr(_local, "routing", None)
     active = tuple(r for r in routes if r.adapter_id is not None)
-    _local.routing = _Routing(active, frozen) if active else None
+    _local.routing = _Routing(active, frozen, dropout or {}) if active else None
     try:
         yield
     finally:
