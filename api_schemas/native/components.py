@@ -43,8 +43,8 @@ class GRPOLoss(Component):
 
     epsilon: float = Field(0.2, ge=0, lt=1)
     epsilon_high: float | None = Field(None, ge=0)
-    beta: Literal[0, 0.0] = 0.0  # a KL penalty needs reference logps per token: not offered
-    entropy_coef: Literal[0, 0.0] = 0.0
+    beta: float = Field(0.0, ge=0, le=0)  # a KL penalty needs reference logps per token: only 0 is offered
+    entropy_coef: float = Field(0.0, ge=0, le=0)  # only 0 (no entropy bonus) is offered
     ignore_index: Literal[-100] = -100
 
 
@@ -78,7 +78,7 @@ class SGD(Component):
     lr: float = Field(1e-5, ge=0)
     momentum: float = Field(0.0, ge=0)
     nesterov: bool = False
-    dampening: Literal[0, 0.0] = 0
+    dampening: float = Field(0.0, ge=0, le=0)  # only 0
     weight_decay: float = Field(0.01, ge=0)
     foreach: bool | None = None
 
@@ -87,7 +87,7 @@ class SGD(Component):
 class CosineWarmupScheduler(Component):
     num_warmup_steps: int = Field(ge=0)
     num_training_steps: int = Field(ge=1)
-    num_cycles: Literal[0.5] = 0.5
+    num_cycles: float = Field(0.5, ge=0.5, le=0.5)  # only the half cosine
 
 
 class LinearWarmupScheduler(Component):

@@ -172,6 +172,12 @@ def session_ended(stale_before: datetime) -> ColumnElement[bool]:
     return or_(SessionRow.finished_at.is_not(None), SessionRow.last_heartbeat_at < stale_before)
 
 
+async def live_session_ids(s: AsyncSession, session_ids: set[str], stale_before: datetime) -> set[str]:
+    """Those of `session_ids` that have not ended (see session_ended)."""
+    q = select(SessionRow.id).where(SessionRow.id.in_(session_ids), ~session_ended(stale_before))
+    return set((await s.execute(q)).scalars().all())
+
+
 async def models_to_release(s: AsyncSession, stale_before: datetime, limit: int) -> Sequence[ModelRow]:
     """Unreleased models whose client session has ended."""
     q = (

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from server.services.native import datasets as native_datasets
 from server.services import checkpoints as ckpt
 from server.services import custom_losses, hub_push, release, sampling
 from server.services.context import Context
@@ -27,7 +28,7 @@ async def run_maintenance(ctx: Context) -> None:
 
 async def maintain_once(ctx: Context) -> None:
     steps = (ckpt.sweep_expired, ckpt.settle_pending, hub_push.trigger_auto_pushes, sampling.reclaim_ephemeral,
-             release.release_ended_models, custom_losses.drop_ended)
+             release.release_ended_models, custom_losses.drop_ended, native_datasets.drop_ended)
     for step in steps:
         try:
             await step(ctx)

@@ -200,3 +200,17 @@ def test_lora_dropout_trains_and_evaluates_deterministically(a: Native) -> None:
         a.ok("clip_grad_and_step", adapter_name="d")
     first = a.ok("forward_only", inputs=batch, adapter_name="d")["result"]["logps"]
     assert a.ok("forward_only", inputs=batch, adapter_name="d")["result"]["logps"] == first  # no dropout in eval
+
+
+def test_trajectory_inputs_are_encoded_with_the_served_template(a: Native) -> None:
+    """A Trajectory trains like the InputFeature twinkle's Template makes of it (labels on the assistant turn)."""
+    setup_adapter(a, gas=1)
+    messages = [{"role": "user", "content": "who are you?"}, {"role": "assistant", "content": "I am Blinky."}]
+    by_messages = a.ok("forward_only", inputs=[{"messages": messages}], adapter_name="default")["result"]
+    assert by_messages["num_tokens"] > 0 and len(by_messages["logps"]) == 1
+    r = a.op("forward_backward", inputs=[{"messages": [{"role": "assistant", "content": "x"}]}], adapter_name="default")
+    assert r.status_code == 400 and "assistant" in r.json()["detail"]
+    r = a.op("forward_backward", inputs=[{"text": "no messages"}], adapter_name="default")
+    assert r.status_code == 400 and "Trajectory" in r.json()["detail"]
+    assert a.http.post(f"/model/{a.model}/twinkle/forward_backward", json={"inputs": rows(n=1), "adapter_name": "default"},
+                       headers={"X-Twinkle-Session-Id": ""}).status_code == 400

@@ -23,7 +23,7 @@ from server.services.native.adapters import Adapter
 router = APIRouter(prefix="/model/{model:path}/twinkle")
 
 JsonBody = Annotated[dict[str, Any], Body(default_factory=dict)]
-SessionId = Annotated[str | None, Header(alias="X-Twinkle-Session-Id")]
+SessionId = Annotated[str | None, Header(alias="X-Twinkle-Session-Id")]  # missing: the service's clear 400
 OK: dict[str, Any] = {"status": "ok"}
 
 
@@ -57,8 +57,8 @@ async def create(model: str, ctx: Ctx, tenant: Tenant, body: JsonBody) -> dict[s
 
 
 @router.post("/add_adapter_to_model")
-async def add_adapter_to_model(model: str, ctx: Ctx, tenant: Tenant, session: SessionId,
-                               body: JsonBody) -> dict[str, Any]:
+async def add_adapter_to_model(model: str, ctx: Ctx, tenant: Tenant,
+                               body: JsonBody, session: SessionId = None) -> dict[str, Any]:
     kwargs = dict(body)
     name, config = kwargs.pop("adapter_name", None), kwargs.pop("config", None)
     adapter = await settings.add_adapter(ctx, tenant, session, model, name, config, kwargs)
@@ -66,7 +66,8 @@ async def add_adapter_to_model(model: str, ctx: Ctx, tenant: Tenant, session: Se
 
 
 def _setter(op: str, slot: settings.Slot, field: str) -> None:
-    async def handler(model: str, ctx: Ctx, tenant: Tenant, session: SessionId, body: JsonBody) -> dict[str, Any]:
+    async def handler(model: str, ctx: Ctx, tenant: Tenant,
+                      body: JsonBody, session: SessionId = None) -> dict[str, Any]:
         async with adapter_op(ctx, tenant, session, model, body) as (adapter, kwargs):
             await settings.set_component(ctx, adapter, slot, kwargs.pop(field, None), kwargs)
         return OK
@@ -83,7 +84,7 @@ for _op, _slot, _field in (("set_template", "template", "template_cls"),
 
 
 @router.post("/add_metric")
-async def add_metric(model: str, ctx: Ctx, tenant: Tenant, session: SessionId, body: JsonBody) -> dict[str, Any]:
+async def add_metric(model: str, ctx: Ctx, tenant: Tenant, body: JsonBody, session: SessionId = None) -> dict[str, Any]:
     async with adapter_op(ctx, tenant, session, model, body) as (adapter, kwargs):
         await settings.add_metric(ctx, adapter, kwargs.pop("metric_cls", None), kwargs.pop("is_training", None),
                                   kwargs)
@@ -91,46 +92,50 @@ async def add_metric(model: str, ctx: Ctx, tenant: Tenant, session: SessionId, b
 
 
 @router.post("/apply_patch")
-async def apply_patch(model: str, ctx: Ctx, tenant: Tenant, session: SessionId, body: JsonBody) -> dict[str, Any]:
+async def apply_patch(model: str, ctx: Ctx, tenant: Tenant,
+                      body: JsonBody, session: SessionId = None) -> dict[str, Any]:
     ctx.served(model)
     settings.apply_patch(body.get("patch_cls"))
     return OK
 
 
 @router.post("/forward_backward")
-async def forward_backward(model: str, ctx: Ctx, tenant: Tenant, session: SessionId,
-                           body: JsonBody) -> dict[str, Any]:
+async def forward_backward(model: str, ctx: Ctx, tenant: Tenant,
+                           body: JsonBody, session: SessionId = None) -> dict[str, Any]:
     async with adapter_op(ctx, tenant, session, model, body) as (adapter, kwargs):
         return {"result": await steps.forward_backward(ctx, adapter, _pop(kwargs, "inputs"), kwargs)}
 
 
 @router.post("/forward_only")
-async def forward_only(model: str, ctx: Ctx, tenant: Tenant, session: SessionId, body: JsonBody) -> dict[str, Any]:
+async def forward_only(model: str, ctx: Ctx, tenant: Tenant,
+                       body: JsonBody, session: SessionId = None) -> dict[str, Any]:
     async with adapter_op(ctx, tenant, session, model, body) as (adapter, kwargs):
         return {"result": await steps.forward_only(ctx, adapter, _pop(kwargs, "inputs"), kwargs)}
 
 
 @router.post("/forward")
-async def forward(model: str, ctx: Ctx, tenant: Tenant, session: SessionId, body: JsonBody) -> dict[str, Any]:
+async def forward(model: str, ctx: Ctx, tenant: Tenant, body: JsonBody, session: SessionId = None) -> dict[str, Any]:
     async with adapter_op(ctx, tenant, session, model, body) as (adapter, kwargs):
         return {"result": await steps.forward(ctx, adapter, _pop(kwargs, "inputs"), kwargs)}
 
 
 @router.post("/calculate_loss")
-async def calculate_loss(model: str, ctx: Ctx, tenant: Tenant, session: SessionId, body: JsonBody) -> dict[str, Any]:
+async def calculate_loss(model: str, ctx: Ctx, tenant: Tenant,
+                         body: JsonBody, session: SessionId = None) -> dict[str, Any]:
     async with adapter_op(ctx, tenant, session, model, body) as (adapter, kwargs):
         return {"result": await steps.calculate_loss(ctx, adapter, kwargs)}
 
 
 @router.post("/backward")
-async def backward(model: str, ctx: Ctx, tenant: Tenant, session: SessionId, body: JsonBody) -> dict[str, Any]:
+async def backward(model: str, ctx: Ctx, tenant: Tenant, body: JsonBody, session: SessionId = None) -> dict[str, Any]:
     async with adapter_op(ctx, tenant, session, model, body) as (adapter, kwargs):
         await steps.backward(ctx, adapter, kwargs)
     return OK
 
 
 @router.post("/clip_grad_norm")
-async def clip_grad_norm(model: str, ctx: Ctx, tenant: Tenant, session: SessionId, body: JsonBody) -> dict[str, Any]:
+async def clip_grad_norm(model: str, ctx: Ctx, tenant: Tenant,
+                         body: JsonBody, session: SessionId = None) -> dict[str, Any]:
     async with adapter_op(ctx, tenant, session, model, body) as (adapter, kwargs):
         norm = await steps.clip_grad_norm(ctx, adapter, _pop(kwargs, "max_grad_norm", 1.0),
                                           _pop(kwargs, "norm_type", 2))
@@ -138,29 +143,29 @@ async def clip_grad_norm(model: str, ctx: Ctx, tenant: Tenant, session: SessionI
 
 
 @router.post("/clip_grad_and_step")
-async def clip_grad_and_step(model: str, ctx: Ctx, tenant: Tenant, session: SessionId,
-                             body: JsonBody) -> dict[str, Any]:
+async def clip_grad_and_step(model: str, ctx: Ctx, tenant: Tenant,
+                             body: JsonBody, session: SessionId = None) -> dict[str, Any]:
     async with adapter_op(ctx, tenant, session, model, body) as (adapter, kwargs):
         norm = await steps.step(ctx, adapter, _pop(kwargs, "max_grad_norm", 1.0), _pop(kwargs, "norm_type", 2))
     return {"status": "ok", "result": norm}
 
 
 @router.post("/step")
-async def step(model: str, ctx: Ctx, tenant: Tenant, session: SessionId, body: JsonBody) -> dict[str, Any]:
+async def step(model: str, ctx: Ctx, tenant: Tenant, body: JsonBody, session: SessionId = None) -> dict[str, Any]:
     async with adapter_op(ctx, tenant, session, model, body) as (adapter, _):
         await steps.step(ctx, adapter, None)
     return OK
 
 
 @router.post("/zero_grad")
-async def zero_grad(model: str, ctx: Ctx, tenant: Tenant, session: SessionId, body: JsonBody) -> dict[str, Any]:
+async def zero_grad(model: str, ctx: Ctx, tenant: Tenant, body: JsonBody, session: SessionId = None) -> dict[str, Any]:
     async with adapter_op(ctx, tenant, session, model, body) as (adapter, _):
         await steps.zero_grad(ctx, adapter)
     return OK
 
 
 @router.post("/lr_step")
-async def lr_step(model: str, ctx: Ctx, tenant: Tenant, session: SessionId, body: JsonBody) -> dict[str, Any]:
+async def lr_step(model: str, ctx: Ctx, tenant: Tenant, body: JsonBody, session: SessionId = None) -> dict[str, Any]:
     """The schedule follows the adapter's optimizer steps (the engine counts them): nothing to advance here."""
     async with adapter_op(ctx, tenant, session, model, body):
         pass
@@ -168,8 +173,8 @@ async def lr_step(model: str, ctx: Ctx, tenant: Tenant, session: SessionId, body
 
 
 @router.post("/calculate_metric")
-async def calculate_metric(model: str, ctx: Ctx, tenant: Tenant, session: SessionId,
-                           body: JsonBody) -> dict[str, Any]:
+async def calculate_metric(model: str, ctx: Ctx, tenant: Tenant,
+                           body: JsonBody, session: SessionId = None) -> dict[str, Any]:
     async with adapter_op(ctx, tenant, session, model, body) as (adapter, kwargs):
         result = metrics.calculate(adapter.progress, adapter.settings, bool(_pop(kwargs, "is_training", True)))
         await adapters.save_state(ctx, adapter)
@@ -177,8 +182,8 @@ async def calculate_metric(model: str, ctx: Ctx, tenant: Tenant, session: Sessio
 
 
 @router.post("/get_train_configs")
-async def get_train_configs(model: str, ctx: Ctx, tenant: Tenant, session: SessionId,
-                            body: JsonBody) -> dict[str, Any]:
+async def get_train_configs(model: str, ctx: Ctx, tenant: Tenant,
+                            body: JsonBody, session: SessionId = None) -> dict[str, Any]:
     async with adapter_op(ctx, tenant, session, model, body) as (adapter, _):
         return {"result": settings.train_configs(adapter)}
 
@@ -195,20 +200,21 @@ async def upload_status(model: str, request_id: str, ctx: Ctx, tenant: Tenant) -
 
 
 @router.post("/get_state_dict")
-async def get_state_dict(model: str, ctx: Ctx, tenant: Tenant, session: SessionId, body: JsonBody) -> dict[str, Any]:
+async def get_state_dict(model: str, ctx: Ctx, tenant: Tenant,
+                         body: JsonBody, session: SessionId = None) -> dict[str, Any]:
     """The adapter's parameter names and shapes (the tensors themselves are not JSON: save() and download)."""
     async with adapter_op(ctx, tenant, session, model, body) as (adapter, _):
         return {"result": adapter.settings.get("parameters", {})}
 
 
 @router.post("/save")
-async def save(model: str, ctx: Ctx, tenant: Tenant, session: SessionId, body: JsonBody) -> dict[str, Any]:
+async def save(model: str, ctx: Ctx, tenant: Tenant, body: JsonBody, session: SessionId = None) -> dict[str, Any]:
     async with adapter_op(ctx, tenant, session, model, body) as (adapter, kwargs):
         return await saves.save(ctx, adapter, _pop(kwargs, "name"), kwargs)
 
 
 @router.post("/load")
-async def load(model: str, ctx: Ctx, tenant: Tenant, session: SessionId, body: JsonBody) -> dict[str, Any]:
+async def load(model: str, ctx: Ctx, tenant: Tenant, body: JsonBody, session: SessionId = None) -> dict[str, Any]:
     async with adapter_op(ctx, tenant, session, model, body) as (adapter, kwargs):
         name, with_optimizer = _pop(kwargs, "name"), bool(_pop(kwargs, "load_optimizer", False))
         _no_extra(kwargs, "load")
@@ -217,8 +223,8 @@ async def load(model: str, ctx: Ctx, tenant: Tenant, session: SessionId, body: J
 
 
 @router.post("/resume_from_checkpoint")
-async def resume_from_checkpoint(model: str, ctx: Ctx, tenant: Tenant, session: SessionId,
-                                 body: JsonBody) -> dict[str, Any]:
+async def resume_from_checkpoint(model: str, ctx: Ctx, tenant: Tenant,
+                                 body: JsonBody, session: SessionId = None) -> dict[str, Any]:
     async with adapter_op(ctx, tenant, session, model, body) as (adapter, kwargs):
         name, only_model = _pop(kwargs, "name"), bool(_pop(kwargs, "resume_only_model", False))
         _no_extra(kwargs, "resume_from_checkpoint")

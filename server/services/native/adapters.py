@@ -33,7 +33,8 @@ ADAPTER_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 MAX_WAIT_SECONDS = 590.0  # the client gives every request 600 s
 MAX_ADAPTERS_PER_SESSION = 64
 
-DEFAULT_SETTINGS: dict[str, Any] = {  # upstream's adapter defaults: CE summed, its template, loss/accuracy/train metrics
+# upstream's adapter defaults: CE summed, its template, the loss, accuracy and train metrics
+DEFAULT_SETTINGS: dict[str, Any] = {
     "gas": 1,
     "loss": {"name": "CrossEntropyLoss", "args": {"reduction": "sum"}},
     "optimizer": None,

@@ -40,13 +40,12 @@ from typing import Any
 
 import numpy as np
 from pydantic import ValidationError
-from sqlalchemy import not_, select
 
 from api_schemas.native import datasets as schema
 from api_schemas.native.components import ComponentError, resolve
 from api_schemas.native.datasets import DataLoaderArgs, DatasetMetaIn, ProcessorKind
-from server.db.models import SessionRow, utcnow
-from server.db.repositories import session_ended
+from server.db import repositories as repo
+from server.db.models import utcnow
 from server.errors import BadRequest, DomainError, Gone, NotFound
 from server.services.context import Context
 from server.services.native.adapters import native_session
@@ -129,6 +128,11 @@ class Store:
         return len(mine), sum(h.rows for h in mine), sum(h.bytes for h in mine)
 
 
+async def drop_ended(ctx: Context) -> None:
+    """Maintenance: drop the objects of ended sessions even when no processor request comes."""
+    await sweep(ctx, store_of(ctx), force=True)
+
+
 def store_of(ctx: Context) -> Store:
     """The gateway's store (one per app context)."""
     store = ctx.__dict__.get(_STORE_KEY)
@@ -146,8 +150,7 @@ async def sweep(ctx: Context, store: Store, force: bool = False) -> None:
     sessions = {h.session_id for h in store.objects.values()}
     stale_before = utcnow() - timedelta(seconds=ctx.settings.session_timeout_seconds)
     async with ctx.db.session() as s:
-        q = select(SessionRow.id).where(SessionRow.id.in_(sessions), not_(session_ended(stale_before)))
-        live = set((await s.execute(q)).scalars().all())
+        live = await repo.live_session_ids(s, sessions, stale_before)
     for pid in [p for p, h in store.objects.items() if h.session_id not in live]:
         del store.objects[pid]
 

@@ -11,7 +11,8 @@ default) or by its number of backwards (`mean`) before clipping, at the step.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Literal
 
 from api_schemas.jobs import (
     SGD,
@@ -25,11 +26,12 @@ from api_schemas.jobs import (
     OptimStep,
     OptimStepResult,
 )
-from api_schemas.native.features import Feature, FeatureError, read_features
+from api_schemas.native.features import Feature, FeatureError, is_feature_list, read_features
 from server.errors import BadRequest
 from server.services.context import Context
 from server.services.native import losses, metrics
 from server.services.native.adapters import Adapter, JobFailed, run, save_state
+from server.services.native.encoding import EncodeError, encode_messages
 from server.services.native.losses import EngineBatch
 
 FORWARD_KWARGS = {"gradient_accumulation_steps", "temperature", "return_logits", "disable_lora", "task"}
@@ -37,12 +39,37 @@ LOSS_KWARGS = {"GRPOLoss": {"advantages", "old_logps"}, "DPOLoss": {"ref_outputs
 
 
 def _features(ctx: Context, adapter: Adapter, inputs: object) -> list[Feature]:
+    """InputFeature rows as they are; Trajectories (`messages`) encoded here with the adapter's template
+    settings, as twinkle's Template.encode would on the client (server/services/native/encoding.py)."""
     served = ctx.served(adapter.model.base_model)
+    if inputs and not is_feature_list(inputs):
+        inputs = _encode_trajectories(ctx, adapter, inputs)
     try:
         return read_features(inputs, vocab_size=served.vocab_size, max_len=served.max_context,
                              max_rows=ctx.settings.max_datums_per_request)
     except FeatureError as e:
         raise BadRequest(str(e)) from None
+
+
+def _encode_trajectories(ctx: Context, adapter: Adapter, inputs: object) -> list[dict[str, Any]]:
+    rows = [inputs] if isinstance(inputs, Mapping) else inputs
+    if not isinstance(rows, list) or len(rows) > ctx.settings.max_datums_per_request:
+        raise BadRequest(f"inputs must be a list of at most {ctx.settings.max_datums_per_request} InputFeatures "
+                         "or Trajectories")
+    t = adapter.settings.get("template", {}).get("args", {})
+    out = []
+    for i, row in enumerate(rows):
+        if not isinstance(row, Mapping) or not isinstance(row.get("messages"), list):
+            raise BadRequest(f"inputs[{i}] is neither an InputFeature (input_ids) nor a Trajectory (messages)")
+        try:
+            ids, labels = encode_messages(ctx.served(adapter.model.base_model), row["messages"], t.get("max_length"),
+                                          t.get("truncation_strategy", "raise"), tools=row.get("tools"),
+                                          default_system=t.get("default_system"),
+                                          enable_thinking=t.get("enable_thinking", True))
+        except EncodeError as e:
+            raise BadRequest(f"inputs[{i}]: {e}") from None
+        out.append({"input_ids": ids, "labels": labels})
+    return out
 
 
 def check_forward_kwargs(adapter: Adapter, kwargs: dict[str, Any], training: bool = True) -> None:
@@ -215,7 +242,7 @@ def _schedule(adapter: Adapter, lr: float) -> LRSchedule | None:
         return None
     a = sched["args"]
     if sched["name"] in ("CosineWarmupScheduler", "LinearWarmupScheduler"):
-        kind = "cosine" if sched["name"] == "CosineWarmupScheduler" else "linear"
+        kind: Literal["cosine", "linear"] = "cosine" if sched["name"] == "CosineWarmupScheduler" else "linear"
         return LRSchedule(kind=kind, warmup_steps=a["num_warmup_steps"], total_steps=a["num_training_steps"])
     if sched["name"] == "LinearLR":
         return LRSchedule(kind="linear", total_steps=a["total_iters"], start_ratio=a["start_factor"],
