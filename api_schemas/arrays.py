@@ -52,9 +52,17 @@ class Column(_Bytes):
     @classmethod
     def of(cls, arrays: Sequence[np.ndarray | None]) -> Column:
         kind = _kind(next((a for a in arrays if a is not None), None))
-        parts = [None if a is None else np.ascontiguousarray(a, dtype=_NUMPY[kind]) for a in arrays]
-        return cls(dtype=kind, shapes=tuple(None if a is None else a.shape for a in parts),
-                   data=b"".join(a.tobytes() for a in parts if a is not None))
+        dtype = _NUMPY[kind]
+        shapes: list[tuple[int, ...] | None] = []
+        parts = []
+        for a in arrays:
+            if a is None:
+                shapes.append(None)
+                continue
+            a = np.ascontiguousarray(a, dtype=dtype)
+            shapes.append(a.shape)
+            parts.append(a.tobytes())
+        return cls(dtype=kind, shapes=tuple(shapes), data=b"".join(parts))
 
     def arrays(self) -> list[np.ndarray | None]:
         """Each datum's array: read-only views of the bytes (no copy)."""

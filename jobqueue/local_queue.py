@@ -48,7 +48,9 @@ class _Feed:
 class LocalQueue(GatewayQueue, WorkerQueue):
     def __init__(self, result_ttl: float = 900.0) -> None:
         self._records: dict[str, _Record] = {}
-        self._dedup: dict[str, tuple[str, str]] = {}  # dedup key -> (job_id, fingerprint)
+        # dedup key -> the job first queued under it; its fingerprint is taken only when a retry comes (Redis
+        # stores one with every job; here the job itself is at hand, and hashing a batch costs a step's CPU)
+        self._dedup: dict[str, Job] = {}
         self._pending: dict[str, asyncio.Queue[Job]] = defaultdict(asyncio.Queue)
         self._feeds: dict[str, _Feed] = defaultdict(_Feed)
         self._result_ttl = result_ttl
@@ -59,17 +61,17 @@ class LocalQueue(GatewayQueue, WorkerQueue):
         if dedup_key is not None:
             seen = self._dedup.get(dedup_key)
             if seen is not None:
-                if seen[1] != job.fingerprint():
+                if seen.fingerprint() != job.fingerprint():
                     raise DuplicateJobMismatch(f"{dedup_key} was already submitted with a different payload")
-                return seen[0]
-            self._dedup[dedup_key] = (job.job_id, job.fingerprint())
+                return seen.job_id
+            self._dedup[dedup_key] = job
         self._records[job.job_id] = _Record(job, feed, dedup_key=dedup_key)
         self._pending[job.queue_name].put_nowait(job)
         return job.job_id
 
     async def dedup_id(self, dedup_key: str) -> str | None:
         seen = self._dedup.get(dedup_key)
-        return seen[0] if seen else None
+        return seen.job_id if seen is not None else None
 
     async def info(self, job_id: str) -> JobInfo | None:
         rec = self._records.get(job_id)
@@ -171,5 +173,6 @@ class LocalQueue(GatewayQueue, WorkerQueue):
         while self._finished and self._finished[0][0] < cutoff:
             _, job_id = self._finished.popleft()
             rec = self._records.pop(job_id, None)
-            if rec is not None and rec.dedup_key is not None and self._dedup.get(rec.dedup_key, ("",))[0] == job_id:
-                del self._dedup[rec.dedup_key]
+            key = rec.dedup_key if rec is not None else None
+            if key is not None and key in self._dedup and self._dedup[key].job_id == job_id:
+                del self._dedup[key]

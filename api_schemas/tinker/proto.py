@@ -6,7 +6,6 @@ Uses the pinned SDK's `tinker_public_pb2`; the SDK ships only the client side of
 
 from __future__ import annotations
 
-import itertools
 import math
 import struct
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ import numpy as np
 import zstandard
 from tinker.proto import tinker_public_pb2 as pb
 
+from api_schemas.arrays import Column
 from api_schemas.jobs import ForwardBackwardResult, SampleResult
 
 _DTYPES: dict[int, np.dtype] = {
@@ -22,6 +22,12 @@ _DTYPES: dict[int, np.dtype] = {
     pb.DTYPE_INT64: np.dtype("<i8"),
     pb.DTYPE_INT32: np.dtype("<i4"),
 }
+_DECODED: dict[int, np.dtype] = {  # what a decoded array holds: native byte order, int32 widened
+    pb.DTYPE_FLOAT32: np.dtype(np.float32),
+    pb.DTYPE_INT64: np.dtype(np.int64),
+    pb.DTYPE_INT32: np.dtype(np.int64),
+}
+_INT32 = _DTYPES[pb.DTYPE_INT32]  # a chunk's token ids
 MAX_DECOMPRESSED_BYTES = 256 * 1024 * 1024
 
 
@@ -64,28 +70,29 @@ def parse_forward_backward(raw: bytes) -> pb.ForwardBackwardRequest:
 
 
 def decode_tensor(name: str, t: pb.Tensor) -> np.ndarray:
-    dtype = _DTYPES.get(t.dtype)
+    """A writable array in the machine's byte order (int32 widened to int64)."""
+    code = t.dtype
+    dtype = _DTYPES.get(code)
     if dtype is None:
-        raise ProtoDecodeError(f"loss_fn_inputs[{name!r}]: unsupported dtype {t.dtype}")
-    shape = tuple(int(s) for s in t.shape)
-    if any(s < 0 for s in shape):
+        raise ProtoDecodeError(f"loss_fn_inputs[{name!r}]: unsupported dtype {code}")
+    shape = tuple(t.shape)
+    if shape and min(shape) < 0:
         raise ProtoDecodeError(f"loss_fn_inputs[{name!r}]: negative dimension in shape {shape}")
     enc = t.WhichOneof("encoding")
     if enc == "dense":
-        if len(t.dense) % dtype.itemsize:
+        dense = t.dense
+        if len(dense) % dtype.itemsize:
             raise ProtoDecodeError(f"loss_fn_inputs[{name!r}]: byte length not a multiple of the dtype size")
-        arr = np.frombuffer(t.dense, dtype=dtype)
+        arr = np.frombuffer(dense, dtype=dtype)
         if shape:
-            if int(np.prod(shape)) != arr.size:
+            if math.prod(shape) != arr.size:
                 raise ProtoDecodeError(f"loss_fn_inputs[{name!r}]: {arr.size} values do not fit shape {list(shape)}")
             arr = arr.reshape(shape)
     elif enc == "sparse_csr":
         arr = _decode_csr(name, t.sparse_csr, dtype, shape)
     else:
         arr = np.zeros(shape or (0,), dtype=dtype)
-    if arr.dtype == np.int32:
-        arr = arr.astype(np.int64)
-    return arr.astype(arr.dtype.newbyteorder("="), copy=True)
+    return arr.astype(_DECODED[code])  # a copy: frombuffer's view of the message is read-only
 
 
 def _decode_csr(name: str, csr: pb.SparseCsr, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
@@ -113,10 +120,11 @@ def decode_forward_backward(msg: pb.ForwardBackwardRequest) -> DecodedForwardBac
             kind = chunk.WhichOneof("chunk")
             if kind != "encoded_text":
                 raise ProtoDecodeError(f"datum {i}: {kind} chunks are not supported by this text model")
-            if len(chunk.encoded_text.tokens) % 4:
+            raw = chunk.encoded_text.tokens
+            if len(raw) % 4:
                 raise ProtoDecodeError(f"datum {i}: token bytes are not int32")
-            parts.append(np.frombuffer(chunk.encoded_text.tokens, dtype="<i4"))
-        tokens = np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
+            parts.append(np.frombuffer(raw, dtype=_INT32))
+        tokens = np.concatenate(parts, dtype=np.int64) if parts else np.zeros(0, dtype=np.int64)
         inputs = {k: decode_tensor(k, v) for k, v in d.loss_fn_inputs.items()}
         data.append(DecodedDatum(tokens=tokens, inputs=inputs))
     config: dict[str, float | str]
@@ -143,25 +151,70 @@ def batch_datums(req: DecodedForwardBackward) -> list[tuple[np.ndarray, dict[str
 
 def encode_forward_backward_result(result: ForwardBackwardResult) -> bytes:
     """A typed forward/backward result as the SDK's ForwardBackwardOutput: one ArrayRecord holding every datum's
-    outputs, in request order. Each output Column already is a BatchedTensor's bytes (no copy through numpy); this
-    runs on the gateway's event loop for every training step, so it stays in plain Python (numpy calls on lists
-    this small cost more than the encoding)."""
-    count = max((len(c.shapes) for c in result.outputs.values()), default=0)
-    fields = {}
+    outputs, in request order. Each output Column already is a BatchedTensor's bytes (no copy through numpy).
+
+    This runs on the gateway's event loop for every training step, so the message is written in protobuf's wire
+    format directly (field numbers as in the SDK's tinker_public_pb2, named below; tests/unit/test_columns.py
+    parses it back with the SDK's classes): building it through the generated classes cost about twice the CPU,
+    most of it in creating the nested messages."""
+    record = [_ARRAY_RECORD]  # ArrayRecord: 1 type_tag, 2 fields (map<string, BatchedTensor>), 3 num_datums
+    count = 0
     for name, column in result.outputs.items():
-        itemsize = 8 if column.dtype == "int64" else 4
-        sizes = [0 if shape is None else math.prod(shape) * itemsize for shape in column.shapes]
-        first = next((shape for shape in column.shapes if shape is not None), ())
-        fields[name] = pb.BatchedTensor(
-            data=column.data,
-            offsets=struct.pack(f"<{len(sizes) + 1}q", 0, *itertools.accumulate(sizes)),
-            dtype=pb.DTYPE_INT64 if column.dtype == "int64" else pb.DTYPE_FLOAT32,
-            trailing_shape=list(first[1:]),
-        )
-    record = pb.ArrayRecord(type_tag="ArrayRecord", num_datums=count, fields=fields)
-    metrics = {k: float(v) for k, v in result.metrics.items()}
-    return pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=[record],
-                                    metrics=metrics).SerializeToString()
+        count = max(count, len(column.shapes))
+        record.append(_message(2, _text(1, name) + _message(2, _batched_tensor(column))))
+    record.append(_varint_field(3, count))
+    out = [_ARRAY_RECORD, _message(2, b"".join(record))]  # 1 loss_fn_output_type, 2 loss_fn_outputs
+    for key, value in result.metrics.items():  # 3 metrics (map<string, double>)
+        out.append(_message(3, _text(1, key) + _FIXED64_2 + struct.pack("<d", value)))
+    return b"".join(out)
+
+
+def _batched_tensor(column: Column) -> bytes:
+    """BatchedTensor: 1 data, 2 offsets (int64 byte offsets of each datum, and the end), 3 dtype, 4 trailing_shape
+    (packed; the dimensions after the first, as the first datum's array has them)."""
+    itemsize = 8 if column.dtype == "int64" else 4
+    ends, end, first = [0], 0, None
+    for shape in column.shapes:
+        if shape is not None:
+            end += math.prod(shape) * itemsize
+            first = shape if first is None else first
+        ends.append(end)
+    tensor = _message(1, column.data) + _message(2, struct.pack(f"<{len(ends)}q", *ends))
+    tensor += _varint_field(3, pb.DTYPE_INT64 if column.dtype == "int64" else pb.DTYPE_FLOAT32)
+    if first is not None and len(first) > 1:
+        tensor += _message(4, b"".join(_varint(d) for d in first[1:]))
+    return tensor
+
+
+_FIXED64_2 = bytes([2 << 3 | 1])  # a map entry's value field (2) holding a double
+_BYTE = [bytes([n]) for n in range(0x80)]  # the varints of one byte
+
+
+def _varint(n: int) -> bytes:
+    if n < 0x80:
+        return _BYTE[n]
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _varint_field(number: int, value: int) -> bytes:
+    return _BYTE[number << 3] + _varint(value)  # every field number here is below 16: its tag is one byte
+
+
+def _message(number: int, payload: bytes) -> bytes:
+    """A length-delimited field: bytes, a string's UTF-8, a nested message, a map entry or a packed list."""
+    return _BYTE[number << 3 | 2] + _varint(len(payload)) + payload
+
+
+def _text(number: int, text: str) -> bytes:
+    return _message(number, text.encode())
+
+
+_ARRAY_RECORD = _text(1, "ArrayRecord")  # field 1 of both messages: ArrayRecord's type_tag, the output's type
 
 
 def _topk(ids: np.ndarray, lps: np.ndarray) -> pb.TopkLogprobs:

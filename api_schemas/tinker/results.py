@@ -9,6 +9,7 @@ ephemeral save), which the caller looks up.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 
@@ -40,6 +41,7 @@ class SavedAs:
     sampling_session_id: str | None = None
 
 
+@functools.lru_cache(maxsize=64)  # clients send a handful of distinct Accept values, one per request
 def wants_json(accept: str | None) -> bool:
     """Whether a retrieve_future's Accept header asks for JSON only. 0.38.0 sends `application/x-protobuf` for the
     results it reads as protobuf; 0.16.1 sends `application/json` for every result; a client that sends none (or

@@ -115,7 +115,7 @@ async def optim_step(ctx: Context, tenant_id: str, req: OptimStepRequest) -> Unt
             raise BadRequest("adam_params need learning_rate >= 0, 0 <= beta1, beta2 < 1 and eps >= 0")
         if a.weight_decay < 0 or a.grad_clip_norm < 0:
             raise BadRequest("adam_params need weight_decay >= 0 and grad_clip_norm >= 0")
-        return OptimStep(optimizer=AdamW(**a.model_dump()))
+        return OptimStep(optimizer=AdamW(**dict(a)))
 
     return await queue_op(ctx, tenant_id, model, req.seq_id, build)
 

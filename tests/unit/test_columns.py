@@ -50,3 +50,22 @@ def test_results_travel_as_json_and_encode_as_the_sdks_array_record() -> None:
     ids = record.fields["ids"]
     assert list(ids.trailing_shape) == [2] and ids.dtype == pb.DTYPE_INT64
     assert np.frombuffer(ids.offsets, "<i8").tolist() == [0, 32, 48]
+
+
+def test_the_written_array_record_reads_back_for_any_shape_and_size() -> None:
+    big = np.arange(70_000, dtype=np.float32)  # lengths of three varint bytes
+    outs = [{"logprobs": big, "cube": np.ones((2, 3, 4), dtype=np.float32), "scalar": np.float32(1.5).reshape(())},
+            {"logprobs": big[:5], "cube": np.zeros((0, 3, 4), dtype=np.float32), "scalar": np.float32(2.5).reshape(())}]
+    msg = pb.ForwardBackwardOutput.FromString(
+        encode_forward_backward_result(ForwardBackwardResult.of(outs, {"loss:sum": -0.25, "ünï:mean": 3.0})))
+    assert msg.loss_fn_output_type == "ArrayRecord" and dict(msg.metrics) == {"loss:sum": -0.25, "ünï:mean": 3.0}
+    record = msg.loss_fn_outputs[0]
+    assert record.type_tag == "ArrayRecord" and record.num_datums == 2
+    for name in ("logprobs", "cube", "scalar"):
+        tensor = record.fields[name]
+        ends = np.frombuffer(tensor.offsets, "<i8").tolist()
+        assert ends == [0, outs[0][name].nbytes, outs[0][name].nbytes + outs[1][name].nbytes], name
+        assert tensor.data == outs[0][name].tobytes() + outs[1][name].tobytes() and tensor.dtype == pb.DTYPE_FLOAT32
+        assert list(tensor.trailing_shape) == list(outs[0][name].shape[1:]), name
+    empty = pb.ForwardBackwardOutput.FromString(encode_forward_backward_result(ForwardBackwardResult.of([], {})))
+    assert empty.loss_fn_outputs[0].num_datums == 0 and not empty.loss_fn_outputs[0].fields
