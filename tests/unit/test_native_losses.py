@@ -107,3 +107,26 @@ def test_grpo_mapping_equals_upstream_formula(with_old: bool) -> None:
     assert reported == pytest.approx(float(ref), rel=1e-9)
     for a, b in zip(torch.autograd.grad(out.loss, lps), torch.autograd.grad(ref, lps)):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("summed", [True, False])
+def test_cross_entropy_mapping_equals_upstream_formula(summed: bool) -> None:
+    """Upstream CrossEntropyLoss: -sum(mask * logp) (`sum`) or that over mask.sum() for the whole batch (`mean`)."""
+    from server.services.native.losses import cross_entropy
+
+    feats = _features(5)
+    g = torch.Generator().manual_seed(8)
+    lps = [(-torch.rand(len(f.input_ids), generator=g, dtype=torch.float64) * 2).requires_grad_(True) for f in feats]
+    batch = cross_entropy(feats, summed)
+    assert batch.loss_fn == "cross_entropy" and batch.value is None
+    inputs = [{k: torch.from_numpy(np.asarray(v)) for k, v in x.items()} for _, x in batch.datums]
+    for x, f in zip(inputs, feats):
+        assert torch.equal(x["target_tokens"], torch.from_numpy(np.where(f.mask, f.labels, 0)))
+        x["weights"] = x["weights"].to(torch.float64)
+    out = compute_loss("cross_entropy", lps, inputs, {})
+    masks = [torch.from_numpy(f.mask).to(torch.float64) for f in feats]
+    total = -sum((lp * m).sum() for lp, m in zip(lps, masks))
+    expect = total if summed else total / sum(m.sum() for m in masks)
+    assert float(out.loss.detach()) == pytest.approx(float(expect.detach()), rel=1e-6)
+    for a, b in zip(torch.autograd.grad(out.loss, lps), torch.autograd.grad(expect, lps)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
