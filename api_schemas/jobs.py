@@ -76,16 +76,13 @@ class SGD(_Frozen):
     grad_clip_norm: float = 0.0
 
 
-class Adam(_Frozen):
-    """torch.optim.Adam's update: weight decay as L2 (added to the clipped gradient), not decoupled as AdamW's."""
+class Adam(AdamW):
+    """torch.optim.Adam's update (and its defaults): weight decay as L2, added to the clipped gradient, not
+    decoupled as AdamW's."""
 
-    kind: Literal["adam"] = "adam"
-    learning_rate: float
-    beta1: float = 0.9
+    kind: Literal["adam"] = "adam"  # type: ignore[assignment]
     beta2: float = 0.999
     eps: float = 1e-8
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 0.0
 
 
 Optimizer = Annotated[AdamW | Adam | SGD, Field(discriminator="kind")]

@@ -24,10 +24,11 @@ from typing import Any
 from api_schemas.jobs import CreateModel, JobResult, LoraSpec, ModelReady, Output, Payload
 from server.db import repositories as repo
 from server.db.models import ModelRow, NativeAdapterRow, SessionRow
-from server.errors import BadRequest, DomainError, NotFound
+from server.errors import BadRequest, DomainError, Gone, NotFound
 from server.services import jobs
 from server.services.context import Context
 from server.services.models import model_id_for
+from server.services.sessions import live_session
 
 ADAPTER_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 MAX_WAIT_SECONDS = 590.0  # the client gives every request 600 s
@@ -73,14 +74,11 @@ async def native_session(ctx: Context, tenant_id: str, session_id: str | None) -
     StopIteration) when it is unknown, another tenant's or ended."""
     if not session_id:
         raise BadRequest("missing X-Twinkle-Session-Id header: create a session first (init_twinkle_client)")
-    async with ctx.db.session() as s:
-        row = await repo.session_of(s, tenant_id, session_id)
-    if row is None:
-        raise NotFound(f"session {session_id} not found")
-    if row.finished_at is not None:
+    try:
+        return await live_session(ctx, tenant_id, session_id)
+    except Gone:
         raise NotFound(f"session {session_id} has ended (no heartbeat within the session timeout); "
-                       "create a new client")
-    return row
+                       "create a new client") from None
 
 
 def check_adapter_name(name: object) -> str:
