@@ -51,6 +51,8 @@ class Settings(BaseSettings):
     # One log line per HTTP request (uvicorn's access log). Off by default: the SDK's long-polls and heartbeats
     # make it a stream of lines, and its synchronous writes cost the gateway CPU on every request.
     access_log: bool = False
+    # FastAPI's native OpenTelemetry instrumentation (tracing, metrics, logs through the global OTel providers)
+    otel_telemetry: bool = False
 
     # cluster wiring (redis_url set): see jobqueue/redis_queue.py and deploy/worker.py
     redis_prefix: str = "twinkle"  # every Redis key starts with it (jobqueue/keys.py)
