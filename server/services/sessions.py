@@ -1,8 +1,13 @@
-"""Client sessions: create, heartbeat, finish (first reason wins; later heartbeats get 410)."""
+"""Client sessions: create, heartbeat, finish (first reason wins; later heartbeats get 410).
+
+A session that sent no heartbeat for `session_timeout_seconds` has ended too: it is finished with reason
+`timeout` when next seen (a heartbeat, a new model in it) or by maintenance (`expire_stale`), and stays ended; its
+models are released (server/services/release.py)."""
 
 from __future__ import annotations
 
 import uuid
+from datetime import UTC, timedelta
 
 from api_schemas.tinker.types import CreateSessionRequest, FinishSessionRequest
 from server.db import repositories as repo
@@ -26,13 +31,25 @@ async def create_session(ctx: Context, tenant_id: str, req: CreateSessionRequest
     return row.id
 
 
+TIMEOUT_REASON = "timeout"
+
+
+def _expired(ctx: Context, row: SessionRow) -> bool:
+    """Finish `row` (in its open transaction) if its last heartbeat is older than the session timeout."""
+    last = row.last_heartbeat_at if row.last_heartbeat_at.tzinfo else row.last_heartbeat_at.replace(tzinfo=UTC)
+    if row.finished_at is None and last < utcnow() - timedelta(seconds=ctx.settings.session_timeout_seconds):
+        row.finished_at, row.finish_reason = utcnow(), TIMEOUT_REASON
+        row.finish_detail = "no heartbeat within the session timeout"
+    return row.finished_at is not None
+
+
 async def heartbeat(ctx: Context, tenant_id: str, session_id: str) -> None:
     async with ctx.db.session() as s:
         row = await repo.session_of(s, tenant_id, session_id)
         if row is None:
             raise NotFound(f"session {session_id} not found")
-        if row.finished_at is not None:
-            raise Gone(f"session {session_id} has finished")
+        if _expired(ctx, row):
+            raise Gone(f"session {session_id} has finished ({row.finish_reason})")
         await repo.touch_session(s, row)
 
 
@@ -48,8 +65,16 @@ async def finish(ctx: Context, tenant_id: str, session_id: str, req: FinishSessi
 async def live_session(ctx: Context, tenant_id: str, session_id: str) -> SessionRow:
     async with ctx.db.session() as s:
         row = await repo.session_of(s, tenant_id, session_id)
+        ended = row is not None and _expired(ctx, row)
     if row is None:
         raise NotFound(f"session {session_id} not found")
-    if row.finished_at is not None:
-        raise Gone(f"session {session_id} has finished; create a new one")
+    if ended:
+        raise Gone(f"session {session_id} has finished ({row.finish_reason}); create a new one")
     return row
+
+
+async def expire_stale(ctx: Context) -> int:
+    """Maintenance: finish the sessions whose heartbeats stopped (so none comes back to life)."""
+    stale_before = utcnow() - timedelta(seconds=ctx.settings.session_timeout_seconds)
+    async with ctx.db.session() as s:
+        return await repo.expire_sessions(s, stale_before, utcnow(), TIMEOUT_REASON)
