@@ -214,3 +214,26 @@ def test_trajectory_inputs_are_encoded_with_the_served_template(a: Native) -> No
     assert r.status_code == 400 and "Trajectory" in r.json()["detail"]
     assert a.http.post(f"/model/{a.model}/twinkle/forward_backward", json={"inputs": rows(n=1), "adapter_name": "default"},
                        headers={"X-Twinkle-Session-Id": ""}).status_code == 400
+
+
+def test_sampler_scores_prompts_and_stops(a: Native) -> None:
+    prompt = {"input_ids": list(range(5, 15)), "labels": [-100] * 10}
+    r = a.http.post(f"/sampler/{a.model}/twinkle/sample", json={
+        "inputs": [prompt], "sampling_params": {"max_tokens": 0, "prompt_logprobs": 1, "temperature": 0.0}})
+    assert r.status_code == 200, r.text
+    sample = r.json()["samples"][0]
+    seq = sample["sequences"][0]
+    assert seq["tokens"] == [] and seq["new_input_feature"]["input_ids"] == prompt["input_ids"]
+    lps = sample["prompt_logprobs"]
+    assert len(lps) == 10 and lps[0] is None and all(lp is not None and lp <= 0 for lp in lps[1:])
+    greedy = a.http.post(f"/sampler/{a.model}/twinkle/sample", json={
+        "inputs": [prompt], "sampling_params": {"max_tokens": 6, "temperature": 0.0}}).json()
+    first = greedy["samples"][0]["sequences"][0]["tokens"][0]
+    stopped = a.http.post(f"/sampler/{a.model}/twinkle/sample", json={
+        "inputs": [prompt], "sampling_params": {"max_tokens": 6, "temperature": 0.0, "stop": [first]}}).json()
+    seq = stopped["samples"][0]["sequences"][0]
+    assert seq["tokens"] == [first] and seq["stop_reason"] == "stop"
+    for params, word in (({"repetition_penalty": 1.2}, "repetition_penalty"), ({"best_of": 2}, "unknown"),
+                         ({"num_samples": 0}, "num_samples")):
+        bad = a.http.post(f"/sampler/{a.model}/twinkle/sample", json={"inputs": [prompt], "sampling_params": params})
+        assert bad.status_code == 400 and word in bad.json()["detail"], bad.text
