@@ -175,8 +175,9 @@ def session_ended(stale_before: datetime) -> ColumnElement[bool]:
 async def expire_sessions(s: AsyncSession, stale_before: datetime, now: datetime, reason: str) -> int:
     """Finish every unfinished session whose last heartbeat is older than `stale_before`."""
     q = (update(SessionRow).where(SessionRow.finished_at.is_(None), SessionRow.last_heartbeat_at < stale_before)
-         .values(finished_at=now, finish_reason=reason, finish_detail="no heartbeat within the session timeout"))
-    return int((await s.execute(q)).rowcount or 0)
+         .values(finished_at=now, finish_reason=reason, finish_detail="no heartbeat within the session timeout")
+         .returning(SessionRow.id))
+    return len((await s.execute(q)).scalars().all())
 
 
 async def live_session_ids(s: AsyncSession, session_ids: set[str], stale_before: datetime) -> set[str]:

@@ -28,17 +28,21 @@ OK: dict[str, Any] = {"status": "ok"}
 
 
 @asynccontextmanager
-async def adapter_op(ctx: Context, tenant: str, session: str | None, model: str,
-                     body: dict[str, Any]) -> AsyncIterator[tuple[Adapter, dict[str, Any]]]:
-    """The caller's adapter named by the body (locked for the operation) and the body's other fields."""
+async def adapter_op(ctx: Context, tenant: str, session: str | None, model: str, body: dict[str, Any],
+                     reserve: adapters.Reserve | None = None) -> AsyncIterator[tuple[Adapter, dict[str, Any]]]:
+    """The caller's adapter named by the body (locked for the operation) and the body's other fields. `reserve`:
+    whether the op will queue a job (its seq_id is then taken with the state; unused, it becomes a Skip)."""
     ctx.served(model)
     kwargs = dict(body)
     name = adapters.check_adapter_name(kwargs.pop("adapter_name", None))
     async with adapters.locked(ctx, tenant, session, name):  # the state read inside is the previous op's result
-        adapter = await adapters.find(ctx, tenant, session, name)
-        if adapter.model.base_model != model:
-            raise NotFound(f"adapter {adapter.name!r} is trained on {adapter.model.base_model}, not {model}")
-        yield adapter, kwargs
+        adapter = await adapters.find(ctx, tenant, session, name, reserve)
+        try:
+            if adapter.model.base_model != model:
+                raise NotFound(f"adapter {adapter.name!r} is trained on {adapter.model.base_model}, not {model}")
+            yield adapter, kwargs
+        finally:
+            await adapters.release_unused(ctx, adapter)
 
 
 def _pop(kwargs: dict[str, Any], name: str, default: Any = None) -> Any:
@@ -102,33 +106,33 @@ async def apply_patch(model: str, ctx: Ctx, tenant: Tenant,
 @router.post("/forward_backward")
 async def forward_backward(model: str, ctx: Ctx, tenant: Tenant,
                            body: JsonBody, session: SessionId = None) -> dict[str, Any]:
-    async with adapter_op(ctx, tenant, session, model, body) as (adapter, kwargs):
+    async with adapter_op(ctx, tenant, session, model, body, adapters.always) as (adapter, kwargs):
         return {"result": await steps.forward_backward(ctx, adapter, _pop(kwargs, "inputs"), kwargs)}
 
 
 @router.post("/forward_only")
 async def forward_only(model: str, ctx: Ctx, tenant: Tenant,
                        body: JsonBody, session: SessionId = None) -> dict[str, Any]:
-    async with adapter_op(ctx, tenant, session, model, body) as (adapter, kwargs):
+    async with adapter_op(ctx, tenant, session, model, body, adapters.always) as (adapter, kwargs):
         return {"result": await steps.forward_only(ctx, adapter, _pop(kwargs, "inputs"), kwargs)}
 
 
 @router.post("/forward")
 async def forward(model: str, ctx: Ctx, tenant: Tenant, body: JsonBody, session: SessionId = None) -> dict[str, Any]:
-    async with adapter_op(ctx, tenant, session, model, body) as (adapter, kwargs):
+    async with adapter_op(ctx, tenant, session, model, body, adapters.always) as (adapter, kwargs):
         return {"result": await steps.forward(ctx, adapter, _pop(kwargs, "inputs"), kwargs)}
 
 
 @router.post("/calculate_loss")
 async def calculate_loss(model: str, ctx: Ctx, tenant: Tenant,
                          body: JsonBody, session: SessionId = None) -> dict[str, Any]:
-    async with adapter_op(ctx, tenant, session, model, body) as (adapter, kwargs):
+    async with adapter_op(ctx, tenant, session, model, body, adapters.always) as (adapter, kwargs):
         return {"result": await steps.calculate_loss(ctx, adapter, kwargs)}
 
 
 @router.post("/backward")
 async def backward(model: str, ctx: Ctx, tenant: Tenant, body: JsonBody, session: SessionId = None) -> dict[str, Any]:
-    async with adapter_op(ctx, tenant, session, model, body) as (adapter, kwargs):
+    async with adapter_op(ctx, tenant, session, model, body, adapters.always) as (adapter, kwargs):
         await steps.backward(ctx, adapter, kwargs)
     return OK
 
@@ -136,7 +140,7 @@ async def backward(model: str, ctx: Ctx, tenant: Tenant, body: JsonBody, session
 @router.post("/clip_grad_norm")
 async def clip_grad_norm(model: str, ctx: Ctx, tenant: Tenant,
                          body: JsonBody, session: SessionId = None) -> dict[str, Any]:
-    async with adapter_op(ctx, tenant, session, model, body) as (adapter, kwargs):
+    async with adapter_op(ctx, tenant, session, model, body, adapters.window_full) as (adapter, kwargs):
         norm = await steps.clip_grad_norm(ctx, adapter, _pop(kwargs, "max_grad_norm", 1.0),
                                           _pop(kwargs, "norm_type", 2))
     return {"result": norm}  # a JSON string, as the client's response model requires
@@ -145,21 +149,21 @@ async def clip_grad_norm(model: str, ctx: Ctx, tenant: Tenant,
 @router.post("/clip_grad_and_step")
 async def clip_grad_and_step(model: str, ctx: Ctx, tenant: Tenant,
                              body: JsonBody, session: SessionId = None) -> dict[str, Any]:
-    async with adapter_op(ctx, tenant, session, model, body) as (adapter, kwargs):
+    async with adapter_op(ctx, tenant, session, model, body, adapters.window_full) as (adapter, kwargs):
         norm = await steps.step(ctx, adapter, _pop(kwargs, "max_grad_norm", 1.0), _pop(kwargs, "norm_type", 2))
     return {"status": "ok", "result": norm}
 
 
 @router.post("/step")
 async def step(model: str, ctx: Ctx, tenant: Tenant, body: JsonBody, session: SessionId = None) -> dict[str, Any]:
-    async with adapter_op(ctx, tenant, session, model, body) as (adapter, _):
+    async with adapter_op(ctx, tenant, session, model, body, adapters.window_full) as (adapter, _):
         await steps.step(ctx, adapter, None)
     return OK
 
 
 @router.post("/zero_grad")
 async def zero_grad(model: str, ctx: Ctx, tenant: Tenant, body: JsonBody, session: SessionId = None) -> dict[str, Any]:
-    async with adapter_op(ctx, tenant, session, model, body) as (adapter, _):
+    async with adapter_op(ctx, tenant, session, model, body, adapters.window_full) as (adapter, _):
         await steps.zero_grad(ctx, adapter)
     return OK
 
@@ -209,13 +213,13 @@ async def get_state_dict(model: str, ctx: Ctx, tenant: Tenant,
 
 @router.post("/save")
 async def save(model: str, ctx: Ctx, tenant: Tenant, body: JsonBody, session: SessionId = None) -> dict[str, Any]:
-    async with adapter_op(ctx, tenant, session, model, body) as (adapter, kwargs):
+    async with adapter_op(ctx, tenant, session, model, body, adapters.always) as (adapter, kwargs):
         return await saves.save(ctx, adapter, _pop(kwargs, "name"), kwargs)
 
 
 @router.post("/load")
 async def load(model: str, ctx: Ctx, tenant: Tenant, body: JsonBody, session: SessionId = None) -> dict[str, Any]:
-    async with adapter_op(ctx, tenant, session, model, body) as (adapter, kwargs):
+    async with adapter_op(ctx, tenant, session, model, body, adapters.always) as (adapter, kwargs):
         name, with_optimizer = _pop(kwargs, "name"), bool(_pop(kwargs, "load_optimizer", False))
         _no_extra(kwargs, "load")
         await saves.load(ctx, adapter, name, with_optimizer)
@@ -225,7 +229,7 @@ async def load(model: str, ctx: Ctx, tenant: Tenant, body: JsonBody, session: Se
 @router.post("/resume_from_checkpoint")
 async def resume_from_checkpoint(model: str, ctx: Ctx, tenant: Tenant,
                                  body: JsonBody, session: SessionId = None) -> dict[str, Any]:
-    async with adapter_op(ctx, tenant, session, model, body) as (adapter, kwargs):
+    async with adapter_op(ctx, tenant, session, model, body, adapters.always) as (adapter, kwargs):
         name, only_model = _pop(kwargs, "name"), bool(_pop(kwargs, "resume_only_model", False))
         _no_extra(kwargs, "resume_from_checkpoint")
         return {"result": await saves.resume(ctx, adapter, name, only_model)}

@@ -16,7 +16,7 @@ import re
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -58,6 +58,7 @@ class Adapter:
     row: NativeAdapterRow
     settings: dict[str, Any]
     progress: dict[str, Any]
+    reserved: int | None = None  # a seq_id taken with the adapter's state, for the op's job (see `find`)
 
     @property
     def name(self) -> str:
@@ -88,20 +89,46 @@ def check_adapter_name(name: object) -> str:
     return name
 
 
-async def find(ctx: Context, tenant_id: str, session_id: str | None, adapter_name: object) -> Adapter:
-    """The caller's adapter `adapter_name` of its live session; 404 otherwise. One query on the way that works."""
+Reserve = Callable[[dict[str, Any], dict[str, Any]], bool]  # (settings, progress) -> will the op queue a job?
+
+
+async def find(ctx: Context, tenant_id: str, session_id: str | None, adapter_name: object,
+               reserve: Reserve | None = None) -> Adapter:
+    """The caller's adapter `adapter_name` of its live session; 404 otherwise. One transaction on the way that
+    works: when `reserve` says the op will queue a job, its seq_id is taken in it too (`Adapter.reserved`; an op
+    that then queues nothing hands it back with `release_unused`)."""
     name = check_adapter_name(adapter_name)
     if not session_id:
         await native_session(ctx, tenant_id, session_id)  # raises: no session header
+    reserved = None
     async with ctx.db.session() as s:
         found = await repo.native_adapter_of_live_session(s, tenant_id, str(session_id), name)
+        if found is not None and found[1].released_at is None and reserve is not None \
+                and reserve(found[0].settings, found[0].progress):
+            reserved = await repo.take_native_seq(s, found[0].model_id)
     if found is None:
         await native_session(ctx, tenant_id, session_id)  # the session's own 404 (unknown, another's, ended)
         raise NotFound(f"adapter {name!r} not found in this session; call add_adapter_to_model first")
     row, model = found
     if model.released_at is not None:
         raise NotFound(f"adapter {name!r} was released when its session ended; resume from a saved checkpoint")
-    return Adapter(model, row, copy.deepcopy(row.settings), copy.deepcopy(row.progress))
+    return Adapter(model, row, copy.deepcopy(row.settings), copy.deepcopy(row.progress), reserved)
+
+
+def always(settings: dict[str, Any], progress: dict[str, Any]) -> bool:
+    return True
+
+
+def window_full(settings: dict[str, Any], progress: dict[str, Any]) -> bool:
+    """The accumulation window holds its `gradient_accumulation_steps` backwards: optimizer calls act now."""
+    return int(progress.get("window", {}).get("backwards", 0)) >= max(int(settings.get("gas", 1)), 1)
+
+
+async def release_unused(ctx: Context, adapter: Adapter) -> None:
+    """A reserved seq_id the op did not use becomes a Skip job, so the adapter's later jobs are not held back."""
+    if adapter.reserved is not None:
+        seq, adapter.reserved = adapter.reserved, None
+        await jobs.queue_skip(ctx, adapter.model.tenant_id, adapter.model, seq, "the operation queued no job")
 
 
 async def create(ctx: Context, tenant_id: str, session: SessionRow, base_model: str, name: str, lora: LoraSpec,
@@ -148,7 +175,10 @@ async def locked(ctx: Context, tenant_id: str, session_id: str | None, name: str
 
 
 async def take_seq(ctx: Context, adapter: Adapter) -> int:
-    """The seq_id of the adapter's next operation (each is used once)."""
+    """The seq_id of the adapter's next operation (each is used once): the reserved one, else a new one."""
+    if adapter.reserved is not None:
+        seq, adapter.reserved = adapter.reserved, None
+        return seq
     async with ctx.db.session() as s:
         return await repo.take_native_seq(s, adapter.model.id)
 

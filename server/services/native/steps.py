@@ -30,7 +30,7 @@ from api_schemas.native.features import Feature, FeatureError, is_feature_list, 
 from server.errors import BadRequest
 from server.services.context import Context
 from server.services.native import losses, metrics
-from server.services.native.adapters import Adapter, JobFailed, run, save_state
+from server.services.native.adapters import Adapter, JobFailed, run, save_state, window_full
 from server.services.native.encoding import EncodeError, encode_messages
 from server.services.native.losses import EngineBatch
 
@@ -212,8 +212,7 @@ def _count_backward(adapter: Adapter, tokens: int) -> None:
 
 # --- optimizer calls ---
 def _window_full(adapter: Adapter) -> bool:
-    window = adapter.progress.get("window", {})
-    return window.get("backwards", 0) >= max(int(adapter.settings.get("gas", 1)), 1)
+    return window_full(adapter.settings, adapter.progress)
 
 
 def _grad_scale(adapter: Adapter) -> float:
