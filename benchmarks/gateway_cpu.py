@@ -6,7 +6,9 @@ is measured is the gateway's own work (auth, parsing, validation, job building, 
 encoding). CPU time of the process (GC off, after a warm-up), the minimum over `--rounds` rounds of `--steps`,
 and per request kind. On a shared VM this is steadier than the wall-clock benchmarks; to compare two trees run
 this file from each (it works with the contract before and after typed results). Prints one JSON line.
-Usage: python benchmarks/gateway_cpu.py [--batch 4x64] [--steps 200] [--rounds 7]
+`--client native`: the same step as twinkle_client sends it (forward_backward + clip_grad_and_step, each answered
+when its job is done) on the native routes, per request kind too.
+Usage: python benchmarks/gateway_cpu.py [--batch 4x64] [--steps 200] [--rounds 7] [--client tinker|native]
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ def constant_result(job: jobs.Job, rows: int, tokens: int) -> jobs.JobResult:
         if kind == "forward_backward":
             return jobs.JobResult(job_id=job.job_id, output=jobs.ForwardBackwardResult.of(outs, {"loss:sum": 1.0}))
         if kind == "optim_step":
-            return jobs.JobResult(job_id=job.job_id, output=jobs.OptimStepResult(metrics={}, learning_rate=0.0, step=1))
+            return jobs.JobResult(job_id=job.job_id, output=jobs.OptimStepResult(metrics={"grad_norm": 1.0},
+                                                                                 learning_rate=0.0, step=1))
         return jobs.JobResult(job_id=job.job_id, output=jobs.ModelReady(model_id=job.model_id))
     if kind == "forward_backward":  # pragma: no cover - the tree before typed results
         from api_schemas.tinker.proto import encode_forward_backward_output  # type: ignore[attr-defined]
@@ -131,8 +134,25 @@ async def run(args: argparse.Namespace) -> dict:
         await post("/api/v1/retrieve_future", {"request_id": made["request_id"]})
         model, seq = made["model_id"], 1
         parts = [0.0, 0.0, 0.0, 0.0]
+        native_url = f"/api/v1/model/{MODEL}/twinkle"
+        native_rows = [{"input_ids": row[:-1], "labels": row[1:]} for row in batch]
+        if args.client == "native":
+            auth = {"Authorization": f"Bearer {key}", "content-type": "application/json"}
+            sid = json.loads(await post("/api/v1/twinkle/create_session", {"metadata": None}, auth))["session_id"]
+            auth["X-Twinkle-Session-Id"] = sid
+            await post(f"{native_url}/add_adapter_to_model", {"adapter_name": "a", "config": '{"r": 1}'}, auth)
+            await post(f"{native_url}/set_optimizer", {"adapter_name": "a", "optimizer_cls": "AdamW"}, auth)
 
-        async def step() -> None:
+        async def native_step() -> None:
+            t0 = time.process_time()
+            await post(f"{native_url}/forward_backward", {"adapter_name": "a", "inputs": native_rows}, auth)
+            t1 = time.process_time()
+            await post(f"{native_url}/clip_grad_and_step", {"adapter_name": "a", "max_grad_norm": 0.0}, auth)
+            t2 = time.process_time()
+            parts[0] += t1 - t0
+            parts[1] += t2 - t1
+
+        async def tinker_step() -> None:
             nonlocal seq
             body = request_body(model, seq, batch)
             t0 = time.process_time()
@@ -152,6 +172,7 @@ async def run(args: argparse.Namespace) -> dict:
             for k, dt in enumerate((t1 - t0, t2 - t1, t4 - t3, t5 - t4)):
                 parts[k] += dt
 
+        step = native_step if args.client == "native" else tinker_step
         for _ in range(50):
             await step()
         gc.collect()
@@ -165,12 +186,12 @@ async def run(args: argparse.Namespace) -> dict:
             rounds.append((time.process_time() - start) / args.steps * 1e3)
         gc.enable()
     n = args.rounds * args.steps
-    return {"benchmark": "gateway_cpu", "batch": args.batch, "steps": args.steps, "rounds": args.rounds,
+    names = (("forward_backward", "clip_grad_and_step") if args.client == "native" else
+             ("forward_backward", "optim_step", "retrieve_forward_backward", "retrieve_optim_step"))
+    return {"benchmark": "gateway_cpu", "client": args.client, "batch": args.batch, "steps": args.steps, "rounds": args.rounds,
             "typed_results": TYPED, "cpu_ms_per_step_min": round(min(rounds), 3),
             "cpu_ms_per_step_rounds": [round(r, 3) for r in sorted(rounds)],
-            "us_per_request": {name: round(t / n * 1e6, 1) for name, t in
-                               zip(("forward_backward", "optim_step", "retrieve_forward_backward", "retrieve_optim_step"),
-                                   parts)}}
+            "us_per_request": {name: round(t / n * 1e6, 1) for name, t in zip(names, parts)}}
 
 
 def main() -> None:
@@ -178,6 +199,7 @@ def main() -> None:
     ap.add_argument("--batch", default="4x64", help="ROWSxTOKENS")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--client", choices=["tinker", "native"], default="tinker")
     print(json.dumps(asyncio.run(run(ap.parse_args()))))
 
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy import ColumnElement, func, or_, select, update
-from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from server.db.models import (
     ApiKeyRow,
@@ -76,27 +78,38 @@ async def native_adapter(s: AsyncSession, tenant_id: str, session_id: str, name:
     return (await s.execute(q)).scalar_one_or_none()
 
 
-async def native_adapter_of_live_session(s: AsyncSession, tenant_id: str, session_id: str,
-                                         name: str) -> tuple[NativeAdapterRow, ModelRow] | None:
-    """The tenant's adapter `name` of its unfinished session `session_id`, with its model, in one query."""
-    q = (select(NativeAdapterRow, ModelRow)
-         .join(ModelRow, ModelRow.id == NativeAdapterRow.model_id)
-         .join(SessionRow, SessionRow.id == NativeAdapterRow.session_id)
-         .where(NativeAdapterRow.session_id == session_id, NativeAdapterRow.adapter_name == name,
-                NativeAdapterRow.tenant_id == tenant_id, SessionRow.tenant_id == tenant_id,
-                SessionRow.finished_at.is_(None)))
-    found = (await s.execute(q)).first()
-    return (found[0], found[1]) if found is not None else None
+@dataclass(frozen=True)
+class NativeState:
+    model_id: str
+    adapter_name: str
+    settings: dict[str, Any]
+    progress: dict[str, Any]
+    released: bool
 
 
-async def take_native_seq(s: AsyncSession, model_id: str) -> int:
+async def native_state(c: AsyncConnection, tenant_id: str, session_id: str, name: str) -> NativeState | None:
+    """The tenant's adapter `name` of its unfinished session `session_id` (one Core query)."""
+    na = NativeAdapterRow.__table__
+    q = (select(na.c.model_id, na.c.adapter_name, na.c.settings, na.c.progress, ModelRow.released_at)
+         .join(ModelRow.__table__, ModelRow.id == na.c.model_id)
+         .join(SessionRow.__table__, SessionRow.id == na.c.session_id)
+         .where(na.c.session_id == session_id, na.c.adapter_name == name, na.c.tenant_id == tenant_id,
+                SessionRow.tenant_id == tenant_id, SessionRow.finished_at.is_(None)))
+    row = (await c.execute(q)).first()
+    if row is None:
+        return None
+    return NativeState(row[0], row[1], row[2], row[3], row[4] is not None)
+
+
+async def take_native_seq(s: AsyncSession | AsyncConnection, model_id: str) -> int:
     """The adapter's next seq_id, counted up in one statement (atomic in SQLite and Postgres alike)."""
     q = (update(NativeAdapterRow).where(NativeAdapterRow.model_id == model_id)
          .values(next_seq=NativeAdapterRow.next_seq + 1).returning(NativeAdapterRow.next_seq))
     return int((await s.execute(q)).scalar_one()) - 1
 
 
-async def update_native_adapter(s: AsyncSession, model_id: str, *, settings: dict, progress: dict) -> None:
+async def update_native_adapter(s: AsyncSession | AsyncConnection, model_id: str, *, settings: dict,
+                                progress: dict) -> None:
     q = (update(NativeAdapterRow).where(NativeAdapterRow.model_id == model_id)
          .values(settings=dict(settings), progress=dict(progress)))
     await s.execute(q)

@@ -27,7 +27,7 @@ from server.db.models import ModelRow, NativeAdapterRow, SessionRow
 from server.errors import BadRequest, DomainError, Gone, NotFound
 from server.services import jobs
 from server.services.context import Context
-from server.services.models import model_id_for
+from server.services.models import model_id_for, owned_model
 from server.services.sessions import live_session
 
 ADAPTER_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -55,14 +55,10 @@ class Adapter:
     """One native adapter as its operation sees it: copies of its rows (write back with `save_state`)."""
 
     model: ModelRow
-    row: NativeAdapterRow
+    name: str
     settings: dict[str, Any]
     progress: dict[str, Any]
     reserved: int | None = None  # a seq_id taken with the adapter's state, for the op's job (see `find`)
-
-    @property
-    def name(self) -> str:
-        return self.row.adapter_name
 
 
 def fresh_progress() -> dict[str, Any]:
@@ -101,18 +97,18 @@ async def find(ctx: Context, tenant_id: str, session_id: str | None, adapter_nam
     if not session_id:
         await native_session(ctx, tenant_id, session_id)  # raises: no session header
     reserved = None
-    async with ctx.db.session() as s:
-        found = await repo.native_adapter_of_live_session(s, tenant_id, str(session_id), name)
-        if found is not None and found[1].released_at is None and reserve is not None \
-                and reserve(found[0].settings, found[0].progress):
-            reserved = await repo.take_native_seq(s, found[0].model_id)
-    if found is None:
+    async with ctx.db.connection() as c:
+        state = await repo.native_state(c, tenant_id, str(session_id), name)
+        if state is not None and not state.released and reserve is not None and reserve(state.settings,
+                                                                                        state.progress):
+            reserved = await repo.take_native_seq(c, state.model_id)
+    if state is None:
         await native_session(ctx, tenant_id, session_id)  # the session's own 404 (unknown, another's, ended)
         raise NotFound(f"adapter {name!r} not found in this session; call add_adapter_to_model first")
-    row, model = found
-    if model.released_at is not None:
+    if state.released:
         raise NotFound(f"adapter {name!r} was released when its session ended; resume from a saved checkpoint")
-    return Adapter(model, row, copy.deepcopy(row.settings), copy.deepcopy(row.progress), reserved)
+    model = await owned_model(ctx, tenant_id, state.model_id)  # cached: a model's owner and shape never change
+    return Adapter(model, name, state.settings, state.progress, reserved)
 
 
 def always(settings: dict[str, Any], progress: dict[str, Any]) -> bool:
@@ -155,7 +151,7 @@ async def create(ctx: Context, tenant_id: str, session: SessionRow, base_model: 
         model.create_request_id = await jobs.queue_train(
             ctx, tenant_id=tenant_id, base_model=served.name, model_id=model.id, seq_id=0,
             payload=CreateModel(lora=lora.model_copy(update={"seed": seed})))
-    adapter = Adapter(model, row, copy.deepcopy(row.settings), copy.deepcopy(row.progress))
+    adapter = Adapter(model, name, copy.deepcopy(row.settings), copy.deepcopy(row.progress))
     ready = await wait_output(ctx, model.create_request_id)
     if isinstance(ready, ModelReady) and ready.parameters is not None:
         adapter.settings["parameters"] = {k: list(v) for k, v in ready.parameters.items()}
@@ -179,8 +175,8 @@ async def take_seq(ctx: Context, adapter: Adapter) -> int:
     if adapter.reserved is not None:
         seq, adapter.reserved = adapter.reserved, None
         return seq
-    async with ctx.db.session() as s:
-        return await repo.take_native_seq(s, adapter.model.id)
+    async with ctx.db.connection() as c:
+        return await repo.take_native_seq(c, adapter.model.id)
 
 
 async def run(ctx: Context, adapter: Adapter, payload: Payload) -> Output:
@@ -219,5 +215,5 @@ async def wait_result(ctx: Context, request_id: str) -> JobResult:
 
 async def save_state(ctx: Context, adapter: Adapter) -> None:
     """Write the adapter's settings and progress back."""
-    async with ctx.db.session() as s:
-        await repo.update_native_adapter(s, adapter.model.id, settings=adapter.settings, progress=adapter.progress)
+    async with ctx.db.connection() as c:
+        await repo.update_native_adapter(c, adapter.model.id, settings=adapter.settings, progress=adapter.progress)
