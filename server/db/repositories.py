@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, func, or_, select, update
+from sqlalchemy import ColumnElement, Table, bindparam, func, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from server.db.models import (
@@ -87,15 +87,22 @@ class NativeState:
     released: bool
 
 
+_NA: Table = NativeAdapterRow.__table__  # type: ignore[assignment]
+# Built once (the native ops run them for every request; building a statement costs more than running it here).
+_NATIVE_STATE = (select(_NA.c.model_id, _NA.c.adapter_name, _NA.c.settings, _NA.c.progress, ModelRow.released_at)
+                 .join(ModelRow.__table__, ModelRow.id == _NA.c.model_id)
+                 .join(SessionRow.__table__, SessionRow.id == _NA.c.session_id)
+                 .where(_NA.c.session_id == bindparam("session_id"), _NA.c.adapter_name == bindparam("name"),
+                        _NA.c.tenant_id == bindparam("tenant_id"), SessionRow.tenant_id == bindparam("tenant_id"),
+                        SessionRow.finished_at.is_(None)))
+_TAKE_SEQ = (update(_NA).where(_NA.c.model_id == bindparam("mid")).values(next_seq=_NA.c.next_seq + 1)
+             .returning(_NA.c.next_seq))
+_WRITE_STATE = update(_NA).where(_NA.c.model_id == bindparam("mid"))
+
+
 async def native_state(c: AsyncConnection, tenant_id: str, session_id: str, name: str) -> NativeState | None:
     """The tenant's adapter `name` of its unfinished session `session_id` (one Core query)."""
-    na = NativeAdapterRow.__table__
-    q = (select(na.c.model_id, na.c.adapter_name, na.c.settings, na.c.progress, ModelRow.released_at)
-         .join(ModelRow.__table__, ModelRow.id == na.c.model_id)
-         .join(SessionRow.__table__, SessionRow.id == na.c.session_id)
-         .where(na.c.session_id == session_id, na.c.adapter_name == name, na.c.tenant_id == tenant_id,
-                SessionRow.tenant_id == tenant_id, SessionRow.finished_at.is_(None)))
-    row = (await c.execute(q)).first()
+    row = (await c.execute(_NATIVE_STATE, {"session_id": session_id, "name": name, "tenant_id": tenant_id})).first()
     if row is None:
         return None
     return NativeState(row[0], row[1], row[2], row[3], row[4] is not None)
@@ -103,16 +110,12 @@ async def native_state(c: AsyncConnection, tenant_id: str, session_id: str, name
 
 async def take_native_seq(s: AsyncSession | AsyncConnection, model_id: str) -> int:
     """The adapter's next seq_id, counted up in one statement (atomic in SQLite and Postgres alike)."""
-    q = (update(NativeAdapterRow).where(NativeAdapterRow.model_id == model_id)
-         .values(next_seq=NativeAdapterRow.next_seq + 1).returning(NativeAdapterRow.next_seq))
-    return int((await s.execute(q)).scalar_one()) - 1
+    return int((await s.execute(_TAKE_SEQ, {"mid": model_id})).scalar_one()) - 1
 
 
 async def update_native_adapter(s: AsyncSession | AsyncConnection, model_id: str, *, settings: dict,
                                 progress: dict) -> None:
-    q = (update(NativeAdapterRow).where(NativeAdapterRow.model_id == model_id)
-         .values(settings=dict(settings), progress=dict(progress)))
-    await s.execute(q)
+    await s.execute(_WRITE_STATE, {"mid": model_id, "settings": dict(settings), "progress": dict(progress)})
 
 
 # --- checkpoints ---
