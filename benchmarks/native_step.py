@@ -4,7 +4,9 @@ Native: `forward_backward` + `clip_grad_and_step` (max_grad_norm 0: no clipping)
 (JSON over HTTP, each call answered when done). Tinker: the stock SDK's `forward_backward` + `optim_step`. Rounds
 of `--steps` steps alternate between the two on one server process; the medians of the per-round seconds per step
 and their ratio (native / tinker) are printed as one JSON line.
-Usage: python benchmarks/native_step.py [--batch 4x64] [--steps 10] [--rounds 5] [--rank 8]
+`--model smollm2`: the embedded default (SmolLM2-135M-Instruct, converted once into $TWINKLE_BENCH_DATA, default
+~/.cache/twinkle-bench); `tiny` (default): the test model, where a step is mostly the server's own overhead.
+Usage: python benchmarks/native_step.py [--model tiny|smollm2] [--batch 4x64] [--steps 10] [--rounds 5] [--rank 8]
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ def tinker_trainer(base_url: str, key: str, model: str, rank: int, batch: list[l
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
     ap.add_argument("--batch", default="4x64", help="ROWSxTOKENS")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=5)
@@ -84,7 +87,13 @@ def main() -> None:
     from tests.support.tiny_model import build_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
-        folder = str(build_tiny_model(Path(tmp) / "tiny"))
+        if args.model == "tiny":
+            folder = str(build_tiny_model(Path(tmp) / "tiny"))
+        else:
+            from workers.engine.model_assets import DEFAULT_BASE_MODEL, resolve_base_model
+
+            cache = Path(os.environ.get("TWINKLE_BENCH_DATA", Path.home() / ".cache" / "twinkle-bench"))
+            folder = str(resolve_base_model(DEFAULT_BASE_MODEL, cache))
         vocab = json.loads((Path(folder) / "config.json").read_text())["vocab_size"]
         batch = np.random.default_rng(0).integers(3, vocab, size=(rows, tokens + 1)).tolist()
         srv = ServerProcess(Path(tmp) / "data", folder)
@@ -103,12 +112,11 @@ def main() -> None:
                     for _ in range(args.steps):
                         fn()
                     per_round[name].append((time.perf_counter() - t) / args.steps)
-            sc.holder.close() if hasattr(sc, "holder") else None
         finally:
             srv.stop()
     med = {name: statistics.median(v) for name, v in per_round.items()}
     print(json.dumps({
-        "benchmark": "native_step", "batch": args.batch, "rank": args.rank, "steps": args.steps,
+        "benchmark": "native_step", "model": args.model, "batch": args.batch, "rank": args.rank, "steps": args.steps,
         "rounds": args.rounds, "native_step_s": round(med["native"], 4), "tinker_step_s": round(med["tinker"], 4),
         "ratio_native_over_tinker": round(med["native"] / med["tinker"], 3),
         "rounds_s": {name: [round(x, 4) for x in v] for name, v in per_round.items()},
