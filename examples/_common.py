@@ -1,0 +1,50 @@
+"""Shared by the example scripts: the command-line options every example takes and its final JSON summary line.
+Imports no client library, so both the tinker SDK examples and the twinkle_client ones use it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+DATA = Path(__file__).resolve().parent / "data"
+
+
+def parser(description: str | None, steps: int, lr: float) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=(description or "").split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--base-url", default=os.environ.get("TWINKLE_BASE_URL", "http://127.0.0.1:8000"))
+    p.add_argument("--api-key", default=os.environ.get("TWINKLE_API_KEY"),
+                   help="a tml-... key (default: $TWINKLE_API_KEY)")
+    p.add_argument("--base-model", default=None, help="default: the first model the server serves")
+    p.add_argument("--steps", type=int, default=steps, help="optimizer steps")
+    p.add_argument("--lr", type=float, default=lr, help="learning rate")
+    p.add_argument("--rank", type=int, default=16, help="LoRA rank")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def require_key(args: argparse.Namespace) -> str:
+    if not args.api_key:
+        raise SystemExit("no API key: pass --api-key or set TWINKLE_API_KEY (twinkle-server keys create --tenant NAME)")
+    return str(args.api_key)
+
+
+def read_jsonl(name: str) -> list[dict[str, Any]]:
+    with open(DATA / name, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def summary(example: str, **fields: Any) -> None:
+    """The last line every example prints: one JSON object (the smoke tests parse it)."""
+    print(json.dumps({"example": example, **fields}, sort_keys=False), flush=True)
+
+
+def first_served_model(base_url: str, api_key: str) -> str:
+    """The first model of the server's capabilities (tinker SDK's RestClient)."""
+    import tinker
+
+    caps = tinker.RestClient(base_url=base_url, api_key=api_key).get_server_capabilities().result()
+    return str(caps.supported_models[0].model_name)
