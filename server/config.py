@@ -42,7 +42,7 @@ class Settings(BaseSettings):
     # model is sized to carry (idle ones page to host memory and disk)
     native_capacity_adapters: int = Field(1000, gt=0)
     # server-held datasets of the native protocol (twinkle_client.dataset / dataloader; in the gateway's memory,
-    # server/services/native/datasets.py): objects, rows and JSON bytes one tenant may hold at a time
+    # server/services/native/processor_store.py): objects, rows and JSON bytes one tenant may hold at a time
     native_processor_objects_per_tenant: int = Field(20, gt=0)
     native_processor_rows_per_tenant: int = Field(100_000, gt=0)
     native_processor_bytes_per_tenant: int = Field(32 * 1024 * 1024, gt=0)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from server.services.native import datasets as native_datasets
+from server.services.native import processor_store as native_processors
 from server.services import checkpoints as ckpt
 from server.services import custom_losses, hub_push, release, sampling, sessions
 from server.services.context import Context
@@ -29,7 +29,7 @@ async def run_maintenance(ctx: Context) -> None:
 async def maintain_once(ctx: Context) -> None:
     steps = (ckpt.sweep_expired, ckpt.settle_pending, hub_push.trigger_auto_pushes, sampling.reclaim_ephemeral,
              release.release_ended_models, sessions.expire_stale, custom_losses.drop_ended,
-             native_datasets.drop_ended)
+             native_processors.drop_ended)
     for step in steps:
         try:
             await step(ctx)
