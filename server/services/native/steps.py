@@ -102,7 +102,7 @@ def _engine_batch(adapter: Adapter, features: list[Feature], kwargs: dict[str, A
     loss = adapter.settings["loss"]
     a = loss["args"]
     if not training or loss["name"] == "CrossEntropyLoss":
-        return losses.cross_entropy(features, summed_loss(adapter) if training else True)
+        return losses.cross_entropy(features, summed_loss(adapter))  # the scale forward_backward reports
     if loss["name"] == "GRPOLoss":
         if kwargs.get("advantages") is None:
             raise BadRequest("GRPOLoss needs advantages (one per row, or one per label token)")
@@ -154,7 +154,7 @@ async def forward_only(ctx: Context, adapter: Adapter, inputs: object, kwargs: d
     features = _features(ctx, adapter, inputs)
     result = await _pass(ctx, adapter, features, kwargs, training=False, forward_only=True,
                          base_only=bool(kwargs.get("disable_lora")))
-    metrics.add_loss(adapter.progress, False, result["loss"], result["num_tokens"], True)
+    metrics.add_loss(adapter.progress, False, result["loss"], result["num_tokens"], summed_loss(adapter))
     await save_state(ctx, adapter)
     return result
 
