@@ -48,6 +48,30 @@ class GRPOLoss(Component):
     ignore_index: Literal[-100] = -100
 
 
+class PPOLoss(GRPOLoss):
+    """GRPOLoss's objective averaged over all the batch's label tokens (`token-mean`) or per sequence first."""
+
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
+
+
+class GSPOLoss(GRPOLoss):
+    """The ratio of each token is its sequence's mean log ratio, exponentiated (sequence-level importance)."""
+
+
+class CISPOLoss(GRPOLoss):
+    """-sg(min(r, 1 + epsilon)) A logp, averaged over the batch's label tokens."""
+
+
+class BNPOLoss(GRPOLoss):
+    """GRPOLoss averaged over the batch's label tokens."""
+
+
+class DRGRPOLoss(GRPOLoss):
+    """GRPOLoss summed and divided by rows x max_completion_length."""
+
+    max_completion_length: int = Field(1024, ge=1)
+
+
 class DPOLoss(Component):
     """Upstream's sigmoid DPO on (chosen, rejected) row pairs; reference logps from a `disable_lora` forward_only."""
 
@@ -151,7 +175,8 @@ class InputProcessor(Component):
 
 
 COMPONENTS: dict[Slot, dict[str, type[Component]]] = {
-    "loss": {"CrossEntropyLoss": CrossEntropyLoss, "GRPOLoss": GRPOLoss, "DPOLoss": DPOLoss},
+    "loss": {"CrossEntropyLoss": CrossEntropyLoss, "GRPOLoss": GRPOLoss, "PPOLoss": PPOLoss, "GSPOLoss": GSPOLoss,
+             "CISPOLoss": CISPOLoss, "BNPOLoss": BNPOLoss, "DRGRPOLoss": DRGRPOLoss, "DPOLoss": DPOLoss},
     "optimizer": {"AdamW": AdamW, "Adam": Adam, "SGD": SGD},
     "scheduler": {
         "CosineWarmupScheduler": CosineWarmupScheduler, "LinearWarmupScheduler": LinearWarmupScheduler,

@@ -237,3 +237,19 @@ def test_sampler_scores_prompts_and_stops(a: Native) -> None:
                          ({"num_samples": 0}, "num_samples")):
         bad = a.http.post(f"/sampler/{a.model}/twinkle/sample", json={"inputs": [prompt], "sampling_params": params})
         assert bad.status_code == 400 and word in bad.json()["detail"], bad.text
+
+
+@pytest.mark.parametrize("loss_cls,kwargs", [("PPOLoss", {"loss_agg_mode": "token-mean"}), ("GSPOLoss", {}),
+                                             ("CISPOLoss", {}), ("BNPOLoss", {}),
+                                             ("DRGRPOLoss", {"max_completion_length": 32})])
+def test_policy_loss_family_trains(a: Native, loss_cls: str, kwargs: dict) -> None:
+    setup_adapter(a, gas=1)
+    a.ok("set_loss", loss_cls=loss_cls, adapter_name="default", epsilon=0.2, **kwargs)
+    feats = rows(seed=13, n=2)
+    ref = a.ok("forward_only", inputs=feats, adapter_name="default")["result"]["logps"]
+    old = [[lp for lp, t in zip(r, f["labels"]) if t != -100] for r, f in zip(ref, feats)]
+    out = a.ok("forward_backward", inputs=feats, adapter_name="default", advantages=[1.0, -1.0], old_logps=old)
+    assert np.isfinite(out["result"]["loss"])
+    assert float(a.ok("clip_grad_and_step", adapter_name="default")["result"]) > 0
+    refused = a.op("set_loss", loss_cls="SAPOLoss", adapter_name="default")
+    assert refused.status_code == 400 and "GSPOLoss" in refused.json()["detail"]

@@ -130,3 +130,60 @@ def test_cross_entropy_mapping_equals_upstream_formula(summed: bool) -> None:
     assert float(out.loss.detach()) == pytest.approx(float(expect.detach()), rel=1e-6)
     for a, b in zip(torch.autograd.grad(out.loss, lps), torch.autograd.grad(expect, lps)):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
+
+
+def _family_reference(loss: str, lps: list[torch.Tensor], feats: list[Feature], adv: list[float],
+                      old: list[torch.Tensor] | None, eps: float, eps_high: float, mode: str | None,
+                      max_len: int) -> torch.Tensor:
+    """Upstream twinkle.loss.grpo (beta 0), transcribed: the per-token term, then the class's aggregation."""
+    sums, counts = [], []
+    for i, (lp, f, a) in enumerate(zip(lps, feats, adv)):
+        m = torch.from_numpy(f.mask).to(torch.float64)
+        q = old[i] if old is not None else lp.detach()
+        log_ratio = torch.clamp(lp - q, -20.0, 20.0)
+        if loss == "GSPOLoss":
+            log_ratio = (log_ratio * m).sum() / m.sum().clamp(min=1.0)
+        ratio = torch.exp(log_ratio)
+        if loss == "CISPOLoss":
+            tok = -torch.clamp(ratio, max=1 + eps).detach() * a * lp
+        else:
+            tok = -torch.min(ratio * a, torch.clamp(ratio, 1 - eps, 1 + eps_high) * a)
+        tok = tok * torch.ones_like(lp)
+        sums.append((tok * m).sum())
+        counts.append(m.sum())
+    total = torch.stack(sums).sum()
+    if loss in ("BNPOLoss", "CISPOLoss") or (loss == "PPOLoss" and mode == "token-mean"):
+        return total / torch.stack(counts).sum().clamp(min=1.0)
+    if loss == "DRGRPOLoss":
+        return total / (len(feats) * max_len)
+    return torch.stack([s / c.clamp(min=1.0) for s, c in zip(sums, counts)]).mean()
+
+
+@pytest.mark.parametrize("with_old", [True, False])
+@pytest.mark.parametrize("loss,mode", [("GRPOLoss", None), ("PPOLoss", "token-mean"),
+                                       ("PPOLoss", "seq-mean-token-mean"), ("GSPOLoss", None), ("CISPOLoss", None),
+                                       ("BNPOLoss", None), ("DRGRPOLoss", None)])
+def test_policy_loss_family_equals_upstream(loss: str, mode: str | None, with_old: bool) -> None:
+    from server.services.native.losses import SEQUENCE_MEAN, TOKEN_MEAN
+
+    feats = _features(3)
+    g = torch.Generator().manual_seed(4)
+    lps = [(-torch.rand(len(f.input_ids), generator=g, dtype=torch.float64) * 2).requires_grad_(True) for f in feats]
+    adv = [1.2, -0.7, 0.3, -0.9]
+    old = ([lp.detach() + torch.randn(lp.shape, generator=g, dtype=torch.float64) * 0.25 for lp in lps]
+           if with_old else None)
+    old_resp = [o[torch.from_numpy(f.mask)].tolist() for o, f in zip(old, feats)] if old is not None else None
+    aggregation = None if mode is None else TOKEN_MEAN if mode == "token-mean" else SEQUENCE_MEAN
+    batch = grpo_datums(feats, adv, old_resp, epsilon=0.2, epsilon_high=0.28, loss=loss, aggregation=aggregation,
+                        max_completion_length=16)
+    inputs = [{k: torch.from_numpy(np.asarray(v)).to(torch.float64) if np.asarray(v).dtype.kind == "f"
+               else torch.from_numpy(np.asarray(v)) for k, v in x.items()} for _, x in batch.datums]
+    out = compute_loss(batch.loss_fn, lps, inputs, batch.config)
+    old_sent = ([torch.where(torch.from_numpy(f.mask), o, torch.zeros_like(o)) for o, f in zip(old, feats)]
+                if old is not None else None)
+    ref = _family_reference(loss, lps, feats, adv, old_sent, 0.2, 0.28, mode, 16)
+    reported = float(out.loss.detach()) if batch.value is None else batch.value
+    # the job carries float32 arrays: terms of either sign cancel, so the bound is absolute as well (|terms| ~ 1)
+    assert reported == pytest.approx(float(ref.detach()), rel=1e-6, abs=1e-7)
+    for a, b in zip(torch.autograd.grad(out.loss, lps), torch.autograd.grad(ref, lps)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)

@@ -6,6 +6,9 @@ whose value and gradient are the twinkle loss's.
   over the batch, is `ppo` with each token's advantage scaled by 1 / (its sequence's label tokens x rows): the
   scale is positive, so it passes through the min. Without `old_logps` upstream's ratio is exp(lp - sg(lp)) = 1:
   the same gradient as `cross_entropy` with weights A x that scale, and the loss value -mean(A), reported here.
+  The rest of the family differs only in that average (PPOLoss token-mean, BNPOLoss, CISPOLoss: over the batch's
+  label tokens; DRGRPOLoss: over rows x max_completion_length) or in the objective (GSPOLoss: the sequence's mean
+  log ratio, the engine's `gspo`; CISPOLoss: -sg(min(r, 1 + eps)) A logp, the engine's `cispo`).
 - DPOLoss (sigmoid): the engine's `dpo` on (chosen, rejected) pairs with the reference logps of the same rows.
 """
 
@@ -66,22 +69,52 @@ def _rows(name: str, values: object, features: list[Feature]) -> Sequence[object
     return values
 
 
+# How each policy loss of the GRPO family averages its per-token terms (upstream's `_aggregate_loss`)
+SEQUENCE_MEAN, TOKEN_MEAN, CONSTANT = "seq-mean", "token-mean", "constant"
+AGGREGATION = {"GRPOLoss": SEQUENCE_MEAN, "GSPOLoss": SEQUENCE_MEAN, "BNPOLoss": TOKEN_MEAN, "CISPOLoss": TOKEN_MEAN,
+               "DRGRPOLoss": CONSTANT}
+OBJECTIVE = {"GSPOLoss": "gspo", "CISPOLoss": "cispo"}  # the others: PPO's clipped ratio ("ppo")
+
+
+def _scales(features: list[Feature], aggregation: str, max_completion_length: int) -> list[float]:
+    """Each row's weight of its per-token terms: 1 / (its label tokens x rows), 1 / the batch's label tokens, or
+    1 / (rows x max_completion_length)."""
+    if aggregation == TOKEN_MEAN:
+        total = max(sum(int(f.mask.sum()) for f in features), 1)
+        return [1.0 / total] * len(features)
+    if aggregation == CONSTANT:
+        return [1.0 / (len(features) * max_completion_length)] * len(features)
+    return [1.0 / (max(int(f.mask.sum()), 1) * len(features)) for f in features]
+
+
 def grpo_datums(features: list[Feature], advantages: object, old_logps: object, *, epsilon: float,
-                epsilon_high: float) -> EngineBatch:
+                epsilon_high: float, loss: str = "GRPOLoss", aggregation: str | None = None,
+                max_completion_length: int = 1024) -> EngineBatch:
+    """The GRPO family (`loss`: GRPOLoss, PPOLoss, GSPOLoss, CISPOLoss, BNPOLoss, DRGRPOLoss): each row's advantages
+    scaled by its aggregation weight (positive, so it passes through the clipped min) on the engine's ppo / gspo /
+    cispo objective. Without old logps the ratio is 1: cross-entropy weighted by the scaled advantages has the
+    same gradient, and the loss value is upstream's at ratio 1."""
     adv = [_per_token("advantages", i, a, f, True) for i, (a, f) in enumerate(
         zip(_rows("advantages", advantages, features), features))]
-    scale = [1.0 / (max(int(f.mask.sum()), 1) * len(features)) for f in features]
+    scale = _scales(features, aggregation or AGGREGATION.get(loss, SEQUENCE_MEAN), max_completion_length)
+    objective = OBJECTIVE.get(loss, "ppo")
     if old_logps is None:
         datums = [(f.input_ids, {"target_tokens": f.targets, "weights": (a * s).astype(np.float32)})
                   for f, a, s in zip(features, adv, scale)]
-        value = -sum(float((a * f.mask).sum()) * s for f, a, s in zip(features, adv, scale))
+        # CISPO at ratio 1 is -A * logp itself: the engine's cross-entropy value is upstream's
+        value = None if objective == "cispo" else -sum(float((a * f.mask).sum()) * s
+                                                       for f, a, s in zip(features, adv, scale))
         return EngineBatch("cross_entropy", datums, value=value)
     old = [_per_token("old_logps", i, o, f, False) for i, (o, f) in enumerate(
         zip(_rows("old_logps", old_logps, features), features))]
-    datums = [(f.input_ids, {"target_tokens": f.targets, "logprobs": q.astype(np.float32),
-                             "advantages": (a * s).astype(np.float32)})
-              for f, a, q, s in zip(features, adv, old, scale)]
-    return EngineBatch("ppo", datums, {"clip_low_threshold": 1 - epsilon, "clip_high_threshold": 1 + epsilon_high})
+    datums = []
+    for f, a, q, s in zip(features, adv, old, scale):
+        inputs = {"target_tokens": f.targets, "logprobs": q.astype(np.float32), "advantages": (a * s).astype(np.float32)}
+        if objective == "gspo":
+            inputs["sequence_ratio_mask"] = f.mask.astype(np.float32)
+        datums.append((f.input_ids, inputs))
+    bounds = (0.0, 1 + epsilon) if objective == "cispo" else (1 - epsilon, 1 + epsilon_high)
+    return EngineBatch(objective, datums, {"clip_low_threshold": bounds[0], "clip_high_threshold": bounds[1]})
 
 
 def dpo_datums(features: list[Feature], ref_logps: object, *, beta: float, label_smoothing: float,

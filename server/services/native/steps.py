@@ -35,7 +35,8 @@ from server.services.native.encoding import EncodeError, encode_messages
 from server.services.native.losses import EngineBatch
 
 FORWARD_KWARGS = {"gradient_accumulation_steps", "temperature", "return_logits", "disable_lora", "task"}
-LOSS_KWARGS = {"GRPOLoss": {"advantages", "old_logps"}, "DPOLoss": {"ref_outputs", "ref_logps"}}
+POLICY_LOSSES = ("GRPOLoss", "PPOLoss", "GSPOLoss", "CISPOLoss", "BNPOLoss", "DRGRPOLoss")
+LOSS_KWARGS = {**{name: {"advantages", "old_logps"} for name in POLICY_LOSSES}, "DPOLoss": {"ref_outputs", "ref_logps"}}
 
 
 def _features(ctx: Context, adapter: Adapter, inputs: object) -> list[Feature]:
@@ -103,13 +104,16 @@ def _engine_batch(adapter: Adapter, features: list[Feature], kwargs: dict[str, A
     a = loss["args"]
     if not training or loss["name"] == "CrossEntropyLoss":
         return losses.cross_entropy(features, summed_loss(adapter))  # the scale forward_backward reports
-    if loss["name"] == "GRPOLoss":
+    if loss["name"] in POLICY_LOSSES:
         if kwargs.get("advantages") is None:
-            raise BadRequest("GRPOLoss needs advantages (one per row, or one per label token)")
+            raise BadRequest(f"{loss['name']} needs advantages (one per row, or one per label token)")
         high = a.get("epsilon_high")
         eps = a.get("epsilon", 0.2)
+        mode = a.get("loss_agg_mode")
+        aggregation = None if mode is None else losses.TOKEN_MEAN if mode == "token-mean" else losses.SEQUENCE_MEAN
         return losses.grpo_datums(features, kwargs["advantages"], kwargs.get("old_logps"), epsilon=eps,
-                                  epsilon_high=eps if high is None else high)
+                                  epsilon_high=eps if high is None else high, loss=loss["name"],
+                                  aggregation=aggregation, max_completion_length=a.get("max_completion_length", 1024))
     ref = kwargs.get("ref_logps")
     if ref is None and isinstance(kwargs.get("ref_outputs"), dict):
         ref = kwargs["ref_outputs"].get("logps")
