@@ -78,13 +78,15 @@ _SPECS: tuple[LossSpec, ...] = (
             "Use ppo, cispo, gspo or importance_sampling instead."
         ),
     ),
-    # DPO (the native protocol's DPOLoss, sigmoid form): datums in (chosen, rejected) pairs, in order; `weights`
-    # mark the response tokens (0/1), `ref_logprobs` the reference model's logprobs of the same targets. Its loss is
-    # the mean over pairs of -logsigmoid(beta * margin) (label-smoothed), plus sft_weight * the chosen tokens' mean
-    # NLL: not a sum over tokens, so it is computed for the whole batch at once (workers/engine/losses.py `_dpo`).
+    # Preference losses (the native protocol's DPOLoss and its variants, SimPOLoss, CPOLoss, ORPOLoss): datums in
+    # (chosen, rejected) pairs, in order; `weights` mark the response tokens (0/1), `ref_logprobs` the reference
+    # model's logprobs of the same targets (zeros: reference-free). `loss_type` (sigmoid | hinge | ipo | kto_pair |
+    # orpo) picks the pair term, averaged over pairs and weighted by pref_weight, plus sft_weight * the chosen tokens'
+    # mean NLL: not a sum over tokens, so it is computed for the whole batch at once (workers/engine/losses.py `_dpo`).
     LossSpec("dpo", frozenset({"target_tokens", "weights", "ref_logprobs"}),
-             config_defaults=MappingProxyType({"beta": 0.1, "label_smoothing": 0.0, "sft_weight": 0.0}),
-             native_only=True),
+             config_defaults=MappingProxyType({"beta": 0.1, "label_smoothing": 0.0, "sft_weight": 0.0, "gamma": 0.0,
+                                               "normalize": 0.0, "pref_weight": 1.0}),
+             text_config=frozenset({"loss_type"}), native_only=True),
     # A loss uploaded with create_custom_loss, named by loss_fn_config["loss_id"]. The inputs it reads are declared
     # with it (api_schemas/tinker/custom_loss.py checks them once the gateway has resolved the loss); others are
     # ignored, as the SDK's client-side run of the same loss ignores them.

@@ -73,14 +73,37 @@ class DRGRPOLoss(GRPOLoss):
 
 
 class DPOLoss(Component):
-    """Upstream's sigmoid DPO on (chosen, rejected) row pairs; reference logps from a `disable_lora` forward_only."""
+    """Upstream's DPO on (chosen, rejected) row pairs; reference logps from a `disable_lora` forward_only."""
 
     beta: float = Field(0.1, gt=0)
     label_smoothing: float = Field(0.0, ge=0, le=0.5)
     ignore_index: Literal[-100] = -100
-    loss_type: Literal["sigmoid"] = "sigmoid"
+    loss_type: Literal["sigmoid", "hinge", "ipo", "kto_pair"] = "sigmoid"
     reference_free: bool = False
     sft_weight: float = Field(0.0, ge=0)
+
+
+class SimPOLoss(Component):
+    """-logsigmoid(beta * (mean logp chosen - mean logp rejected) - gamma), no reference model."""
+
+    beta: float = Field(2.5, gt=0)
+    gamma: float = 0.5
+    ignore_index: Literal[-100] = -100
+
+
+class CPOLoss(Component):
+    """Reference-free sigmoid DPO plus bc_coef * the chosen rows' mean NLL."""
+
+    beta: float = Field(0.1, gt=0)
+    bc_coef: float = Field(1.0, ge=0)
+    ignore_index: Literal[-100] = -100
+
+
+class ORPOLoss(Component):
+    """The chosen rows' mean NLL plus lambda_orpo * -logsigmoid(log odds ratio of the mean logps)."""
+
+    lambda_orpo: float = Field(0.1, ge=0)
+    ignore_index: Literal[-100] = -100
 
 
 # --- optimizers (torch.optim; upstream's defaults: lr 1e-5, weight_decay 0.01 in the param group)
@@ -176,7 +199,8 @@ class InputProcessor(Component):
 
 COMPONENTS: dict[Slot, dict[str, type[Component]]] = {
     "loss": {"CrossEntropyLoss": CrossEntropyLoss, "GRPOLoss": GRPOLoss, "PPOLoss": PPOLoss, "GSPOLoss": GSPOLoss,
-             "CISPOLoss": CISPOLoss, "BNPOLoss": BNPOLoss, "DRGRPOLoss": DRGRPOLoss, "DPOLoss": DPOLoss},
+             "CISPOLoss": CISPOLoss, "BNPOLoss": BNPOLoss, "DRGRPOLoss": DRGRPOLoss, "DPOLoss": DPOLoss,
+             "SimPOLoss": SimPOLoss, "CPOLoss": CPOLoss, "ORPOLoss": ORPOLoss},
     "optimizer": {"AdamW": AdamW, "Adam": Adam, "SGD": SGD},
     "scheduler": {
         "CosineWarmupScheduler": CosineWarmupScheduler, "LinearWarmupScheduler": LinearWarmupScheduler,

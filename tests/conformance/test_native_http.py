@@ -253,3 +253,19 @@ def test_policy_loss_family_trains(a: Native, loss_cls: str, kwargs: dict) -> No
     assert float(a.ok("clip_grad_and_step", adapter_name="default")["result"]) > 0
     refused = a.op("set_loss", loss_cls="SAPOLoss", adapter_name="default")
     assert refused.status_code == 400 and "GSPOLoss" in refused.json()["detail"]
+
+
+@pytest.mark.parametrize("loss_cls,kwargs,reference", [("DPOLoss", {"loss_type": "ipo"}, True),
+                                                      ("SimPOLoss", {}, False), ("CPOLoss", {}, False),
+                                                      ("ORPOLoss", {}, False)])
+def test_preference_family_trains(a: Native, loss_cls: str, kwargs: dict, reference: bool) -> None:
+    setup_adapter(a, gas=1)
+    a.ok("set_loss", loss_cls=loss_cls, adapter_name="default", **kwargs)
+    pairs = rows(seed=17)
+    extra = {"ref_outputs": a.ok("forward_only", inputs=pairs, adapter_name="default", disable_lora=True)["result"]
+             } if reference else {}
+    losses = []
+    for _ in range(4):
+        losses.append(a.ok("forward_backward", inputs=pairs, adapter_name="default", **extra)["result"]["loss"])
+        a.ok("clip_grad_and_step", adapter_name="default")
+    assert all(np.isfinite(losses)) and losses[-1] < losses[0], losses

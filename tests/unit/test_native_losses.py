@@ -29,7 +29,8 @@ def _pairs(seed: int, n: int = 6, t: int = 9) -> tuple[list[torch.Tensor], list[
 @pytest.mark.parametrize("beta,ls,sft", [(0.1, 0.0, 0.0), (0.5, 0.2, 0.0), (0.1, 0.0, 1.0)])
 def test_dpo_equals_its_formula(beta: float, ls: float, sft: float) -> None:
     lps, inputs = _pairs(0)
-    out = compute_loss("dpo", lps, inputs, {"beta": beta, "label_smoothing": ls, "sft_weight": sft})
+    out = compute_loss("dpo", lps, inputs, {"beta": beta, "label_smoothing": ls, "sft_weight": sft,
+                                            "loss_type": "sigmoid"})
     s = torch.stack([(lp * x["weights"]).sum() for lp, x in zip(lps, inputs)])
     r = torch.stack([(x["ref_logprobs"] * x["weights"]).sum() for x in inputs])
     logits = beta * ((s[0::2] - r[0::2]) - (s[1::2] - r[1::2]))
@@ -47,7 +48,7 @@ def test_dpo_equals_its_formula(beta: float, ls: float, sft: float) -> None:
 def test_dpo_needs_pairs_and_is_native_only() -> None:
     lps, inputs = _pairs(1, n=3)
     with pytest.raises(LossSpecError, match="pairs"):
-        compute_loss("dpo", lps, inputs, {})
+        compute_loss("dpo", lps, inputs, {"loss_type": "sigmoid"})
     with pytest.raises(LossSpecError, match="unknown loss_fn 'dpo'"):  # a Tinker client cannot name it
         validate_loss_request("dpo", [{"target_tokens", "weights", "ref_logprobs"}], {})
 
@@ -186,4 +187,64 @@ def test_policy_loss_family_equals_upstream(loss: str, mode: str | None, with_ol
     # the job carries float32 arrays: terms of either sign cancel, so the bound is absolute as well (|terms| ~ 1)
     assert reported == pytest.approx(float(ref.detach()), rel=1e-6, abs=1e-7)
     for a, b in zip(torch.autograd.grad(out.loss, lps), torch.autograd.grad(ref, lps)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
+
+
+def _log1mexp(x: torch.Tensor) -> torch.Tensor:
+    x = torch.clamp(x, max=-1e-7)
+    return torch.where(x > -np.log(2.0), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
+def _preference_reference(name: str, args: dict, lps: list[torch.Tensor], feats: list[Feature],
+                          ref: list[torch.Tensor]) -> torch.Tensor:
+    """Upstream twinkle.loss.dpo, transcribed (pairs interleaved chosen, rejected)."""
+    masks = [torch.from_numpy(f.mask).to(torch.float64) for f in feats]
+    seq = torch.stack([(lp * m).sum() for lp, m in zip(lps, masks)])
+    avg = torch.stack([(lp * m).sum() / m.sum().clamp(min=1) for lp, m in zip(lps, masks)])
+    refs = torch.stack([(r * m).sum() for r, m in zip(ref, masks)])
+    chosen_nll = -sum((lp * m).sum() for lp, m in zip(lps[0::2], masks[0::2])) / sum(m.sum() for m in masks[0::2])
+    if name == "SimPOLoss":
+        return -F.logsigmoid(args["beta"] * (avg[0::2] - avg[1::2]) - args["gamma"]).mean()
+    if name == "CPOLoss":
+        return -F.logsigmoid(args["beta"] * (seq[0::2] - seq[1::2])).mean() + args["bc_coef"] * chosen_nll
+    if name == "ORPOLoss":
+        odds = avg - _log1mexp(avg)
+        return chosen_nll + args["lambda_orpo"] * -F.logsigmoid(odds[0::2] - odds[1::2]).mean()
+    beta, kind = args["beta"], args["loss_type"]
+    c, r = seq[0::2] - refs[0::2], seq[1::2] - refs[1::2]
+    logits = beta * (c - r)
+    if kind == "hinge":
+        return torch.relu(1 - logits).mean()
+    if kind == "ipo":
+        return ((logits - 1 / (2 * beta)) ** 2).mean()
+    return (1 - torch.sigmoid(beta * c) + torch.sigmoid(beta * r)).mean()  # kto_pair
+
+
+@pytest.mark.parametrize("name,args", [
+    ("DPOLoss", {"beta": 0.3, "loss_type": "hinge"}), ("DPOLoss", {"beta": 0.3, "loss_type": "ipo"}),
+    ("DPOLoss", {"beta": 0.3, "loss_type": "kto_pair"}), ("SimPOLoss", {"beta": 2.5, "gamma": 0.5}),
+    ("CPOLoss", {"beta": 0.1, "bc_coef": 0.7}), ("ORPOLoss", {"lambda_orpo": 0.2}),
+])
+def test_preference_family_equals_upstream(name: str, args: dict) -> None:
+    from server.services.native.losses import preference
+
+    feats = _features(9, rows=6)
+    g = torch.Generator().manual_seed(10)
+    lps = [(-torch.rand(len(f.input_ids), generator=g, dtype=torch.float64) * 3).requires_grad_(True) for f in feats]
+    ref = [-torch.rand(len(f.input_ids), generator=g, dtype=torch.float64) * 3 for f in feats]
+    batch = preference(name, args, feats, [r.tolist() for r in ref] if name == "DPOLoss" else None)
+    inputs = [{k: torch.from_numpy(np.asarray(v)).to(torch.float64) if np.asarray(v).dtype.kind == "f"
+               else torch.from_numpy(np.asarray(v)) for k, v in x.items()} for _, x in batch.datums]
+    out = compute_loss(batch.loss_fn, lps, inputs, batch.config)
+    if name == "DPOLoss":  # the reference logps as the job carries them (float32), masked as the rows' labels
+        ref_sent = [x["ref_logprobs"] for x in inputs]
+        for r, want, f in zip(ref_sent, ref, feats):
+            torch.testing.assert_close(r, torch.where(torch.from_numpy(f.mask), want, torch.zeros_like(want)),
+                                       rtol=1e-6, atol=1e-6)
+    else:
+        ref_sent = [torch.zeros_like(r) for r in ref]
+        assert all(not bool(x["ref_logprobs"].any()) for x in inputs)  # reference-free
+    expect = _preference_reference(name, args, lps, feats, ref_sent)
+    assert float(out.loss.detach()) == pytest.approx(float(expect.detach()), rel=1e-6, abs=1e-7)
+    for a, b in zip(torch.autograd.grad(out.loss, lps), torch.autograd.grad(expect, lps)):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)

@@ -8,6 +8,7 @@ validates with. Notation as in the Tinker docs: lp = learner logprobs, q = sampl
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
@@ -100,22 +101,51 @@ def _gspo(d: _Datum, cfg: Mapping[str, float]) -> tuple[torch.Tensor, torch.Tens
     return -objective, _clipped_count(ratio.detach(), adv, lo, hi)
 
 
-def _dpo(datums: list[_Datum], cfg: Mapping[str, float]) -> LossOutput:
-    """DPO over (chosen, rejected) pairs in datum order: with s = sum(w * lp) and s_ref = sum(w * ref) per datum,
-    margin = beta * ((s_c - s_ref_c) - (s_r - s_ref_r)); loss = mean over pairs of
-    -(1 - ls) * logsigmoid(margin) - ls * logsigmoid(-margin), plus sft_weight * the chosen tokens' mean NLL."""
+DPO_TYPES = ("sigmoid", "hinge", "ipo", "kto_pair", "orpo")
+
+
+def _log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x <= 0, the stable branch on each side of -log 2 (as twinkle's ORPOLoss)."""
+    x = torch.clamp(x, max=-1e-7)
+    return torch.where(x > -math.log(2.0), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
+def _dpo(datums: list[_Datum], cfg: Mapping[str, float], loss_type: str) -> LossOutput:
+    """Preference losses over (chosen, rejected) pairs in datum order, twinkle's DPOLoss family. Per datum
+    s = sum(w * lp) and s_ref = sum(w * ref) (divided by sum(w) when `normalize`); h = s - s_ref. Pair terms, with
+    z = beta * (h_c - h_r) - gamma: sigmoid -(1 - ls) logsigmoid(z) - ls logsigmoid(-z); hinge relu(1 - z);
+    ipo (z - 1 / (2 beta))^2; kto_pair 1 - sigmoid(beta h_c) + sigmoid(beta h_r); orpo -logsigmoid(o_c - o_r) with
+    o = a - log(1 - exp(a)) of the mean logps a. Loss = pref_weight * mean(pair terms) + sft_weight * the chosen
+    tokens' mean NLL."""
+    if loss_type not in DPO_TYPES:
+        raise LossSpecError(f"dpo: loss_type must be one of {list(DPO_TYPES)}, got {loss_type!r}")
     if not datums or len(datums) % 2:
         raise LossSpecError(f"dpo: needs (chosen, rejected) pairs, got {len(datums)} datums")
+    counts = torch.stack([d.x["weights"].sum() for d in datums]).clamp(min=1)
     seq = torch.stack([(d.lp * d.x["weights"]).sum() for d in datums])
     ref = torch.stack([(d.x["ref_logprobs"] * d.x["weights"]).sum() for d in datums])
-    margin = cfg["beta"] * ((seq[0::2] - ref[0::2]) - (seq[1::2] - ref[1::2]))
-    ls = cfg["label_smoothing"]
-    pair = -(1 - ls) * torch.nn.functional.logsigmoid(margin) - ls * torch.nn.functional.logsigmoid(-margin)
-    loss = pair.mean()
+    if cfg["normalize"] or loss_type == "orpo":
+        seq, ref = seq / counts, ref / counts
+    beta, ls = cfg["beta"], cfg["label_smoothing"]
+    h = seq - ref
+    z = beta * (h[0::2] - h[1::2]) - cfg["gamma"]
+    if loss_type == "sigmoid":
+        pair = -(1 - ls) * torch.nn.functional.logsigmoid(z) - ls * torch.nn.functional.logsigmoid(-z)
+    elif loss_type == "hinge":
+        pair = torch.relu(1 - z)
+    elif loss_type == "ipo":
+        pair = (z - 1 / (2 * beta)) ** 2
+    elif loss_type == "kto_pair":
+        pair = 1 - torch.sigmoid(beta * h[0::2]) + torch.sigmoid(beta * h[1::2])
+    else:
+        odds = seq - _log1mexp(seq)
+        pair = -torch.nn.functional.logsigmoid(odds[0::2] - odds[1::2])
+    loss = cfg["pref_weight"] * pair.mean()
     if cfg["sft_weight"] > 0:
         chosen = datums[0::2]
         tokens = torch.stack([d.x["weights"].sum() for d in chosen]).sum().clamp(min=1)
-        loss = loss + cfg["sft_weight"] * -seq[0::2].sum() / tokens
+        total = torch.stack([(d.lp * d.x["weights"]).sum() for d in chosen]).sum()
+        loss = loss + cfg["sft_weight"] * -total / tokens
     outputs = [{"logprobs": d.lp.detach()} for d in datums]
     return LossOutput(loss=loss, outputs=outputs, metrics={"loss:sum": float(loss.detach())})
 
@@ -196,7 +226,8 @@ def compute_loss(
         return LossOutput(loss=res.loss, outputs=res.outputs, metrics=res.metrics)
     cfg = resolve_loss_config(loss_fn, config, engine=True)
     if loss_fn == "dpo":
-        return _dpo([_prepare(loss_fn, i, lp, raw) for i, (lp, raw) in enumerate(zip(logprobs, inputs))], cfg)
+        return _dpo([_prepare(loss_fn, i, lp, raw) for i, (lp, raw) in enumerate(zip(logprobs, inputs))], cfg,
+                    str(config["loss_type"]))
     body = _BODIES[loss_fn]
 
     # Prepare (validate) every datum first so a bad datum fails the chunk before any math runs.

@@ -9,7 +9,8 @@ whose value and gradient are the twinkle loss's.
   The rest of the family differs only in that average (PPOLoss token-mean, BNPOLoss, CISPOLoss: over the batch's
   label tokens; DRGRPOLoss: over rows x max_completion_length) or in the objective (GSPOLoss: the sequence's mean
   log ratio, the engine's `gspo`; CISPOLoss: -sg(min(r, 1 + eps)) A logp, the engine's `cispo`).
-- DPOLoss (sigmoid): the engine's `dpo` on (chosen, rejected) pairs with the reference logps of the same rows.
+- DPOLoss (sigmoid, hinge, ipo, kto_pair), SimPOLoss, CPOLoss, ORPOLoss: the engine's `dpo` on (chosen, rejected)
+  pairs, with the reference logps of the same rows (DPOLoss) or none.
 """
 
 from __future__ import annotations
@@ -117,10 +118,14 @@ def grpo_datums(features: list[Feature], advantages: object, old_logps: object, 
     return EngineBatch(objective, datums, {"clip_low_threshold": bounds[0], "clip_high_threshold": bounds[1]})
 
 
-def dpo_datums(features: list[Feature], ref_logps: object, *, beta: float, label_smoothing: float,
-               sft_weight: float, reference_free: bool) -> EngineBatch:
+def dpo_datums(features: list[Feature], ref_logps: object, *, beta: float, label_smoothing: float = 0.0,
+               sft_weight: float = 0.0, reference_free: bool = False, loss_type: str = "sigmoid", gamma: float = 0.0,
+               normalize: bool = False, pref_weight: float = 1.0) -> EngineBatch:
+    """The preference family on the engine's `dpo` loss (chosen, rejected pairs): DPOLoss (its loss types),
+    SimPOLoss (reference-free, length-normalised, margin gamma), CPOLoss (reference-free + behaviour cloning),
+    ORPOLoss (log odds ratio + NLL)."""
     if len(features) % 2:
-        raise BadRequest("DPOLoss needs (chosen, rejected) pairs: an even number of rows, chosen first in each pair")
+        raise BadRequest("preference losses need (chosen, rejected) pairs: an even number of rows, chosen first")
     if reference_free:
         ref = [np.zeros(len(f.input_ids)) for f in features]
     elif ref_logps is None:
@@ -131,4 +136,22 @@ def dpo_datums(features: list[Feature], ref_logps: object, *, beta: float, label
             zip(_rows("ref_outputs.logps", ref_logps, features), features))]
     datums = [(f.input_ids, {"target_tokens": f.targets, "weights": f.mask.astype(np.float32),
                              "ref_logprobs": r.astype(np.float32)}) for f, r in zip(features, ref)]
-    return EngineBatch("dpo", datums, {"beta": beta, "label_smoothing": label_smoothing, "sft_weight": sft_weight})
+    return EngineBatch("dpo", datums, {"beta": beta, "label_smoothing": label_smoothing, "sft_weight": sft_weight,
+                                       "gamma": gamma, "normalize": float(normalize), "pref_weight": pref_weight,
+                                       "loss_type": loss_type})
+
+
+def preference(name: str, args: dict, features: list[Feature], ref_logps: object) -> EngineBatch:
+    """A preference loss of the allow-list (`name`, its validated args) as the engine's batch."""
+    if name == "SimPOLoss":
+        return dpo_datums(features, None, beta=args.get("beta", 2.5), gamma=args.get("gamma", 0.5), normalize=True,
+                          reference_free=True)
+    if name == "CPOLoss":
+        return dpo_datums(features, None, beta=args.get("beta", 0.1), sft_weight=args.get("bc_coef", 1.0),
+                          reference_free=True)
+    if name == "ORPOLoss":
+        return dpo_datums(features, None, beta=1.0, loss_type="orpo", sft_weight=1.0,
+                          pref_weight=args.get("lambda_orpo", 0.1), reference_free=True)
+    return dpo_datums(features, ref_logps, beta=args.get("beta", 0.1), label_smoothing=args.get("label_smoothing", 0.0),
+                      sft_weight=args.get("sft_weight", 0.0), reference_free=bool(args.get("reference_free")),
+                      loss_type=args.get("loss_type", "sigmoid"))

@@ -36,6 +36,7 @@ from server.services.native.losses import EngineBatch
 
 FORWARD_KWARGS = {"gradient_accumulation_steps", "temperature", "return_logits", "disable_lora", "task"}
 POLICY_LOSSES = ("GRPOLoss", "PPOLoss", "GSPOLoss", "CISPOLoss", "BNPOLoss", "DRGRPOLoss")
+PREFERENCE_LOSSES = ("DPOLoss", "SimPOLoss", "CPOLoss", "ORPOLoss")
 LOSS_KWARGS = {**{name: {"advantages", "old_logps"} for name in POLICY_LOSSES}, "DPOLoss": {"ref_outputs", "ref_logps"}}
 
 
@@ -114,11 +115,12 @@ def _engine_batch(adapter: Adapter, features: list[Feature], kwargs: dict[str, A
         return losses.grpo_datums(features, kwargs["advantages"], kwargs.get("old_logps"), epsilon=eps,
                                   epsilon_high=eps if high is None else high, loss=loss["name"],
                                   aggregation=aggregation, max_completion_length=a.get("max_completion_length", 1024))
+    if loss["name"] not in PREFERENCE_LOSSES:
+        raise BadRequest(f"loss {loss['name']} is not available for this operation")
     ref = kwargs.get("ref_logps")
     if ref is None and isinstance(kwargs.get("ref_outputs"), dict):
         ref = kwargs["ref_outputs"].get("logps")
-    return losses.dpo_datums(features, ref, beta=a.get("beta", 0.1), label_smoothing=a.get("label_smoothing", 0.0),
-                             sft_weight=a.get("sft_weight", 0.0), reference_free=bool(a.get("reference_free")))
+    return losses.preference(loss["name"], a, features, ref)
 
 
 async def _pass(ctx: Context, adapter: Adapter, features: list[Feature], kwargs: dict[str, Any], *, training: bool,
