@@ -78,6 +78,9 @@ _SPECS: tuple[LossSpec, ...] = (
             "Use ppo, cispo, gspo or importance_sampling instead."
         ),
     ),
+    # SAPO (the native protocol's SAPOLoss): per token -g(r) A with the soft gate g(r) = sigmoid(tau (r - 1)) * 4 /
+    # tau, tau = tau_pos where A > 0 and tau_neg elsewhere, r = exp(lp - logprobs).
+    LossSpec("sapo", _RL_INPUTS, config_defaults=MappingProxyType({"tau_pos": 1.0, "tau_neg": 1.0}), native_only=True),
     # Preference losses (the native protocol's DPOLoss and its variants, SimPOLoss, CPOLoss, ORPOLoss): datums in
     # (chosen, rejected) pairs, in order; `weights` mark the response tokens (0/1), `ref_logprobs` the reference
     # model's logprobs of the same targets (zeros: reference-free). `loss_type` (sigmoid | hinge | ipo | kto_pair |
@@ -129,6 +132,8 @@ def resolve_loss_config(loss_fn: str, config: Mapping[str, float | str], engine:
         _check_clip_thresholds(loss_fn, lo, hi)
     if "beta" in resolved and not (math.isfinite(resolved["beta"]) and resolved["beta"] >= 0):
         raise LossSpecError(f"{loss_fn}: beta must be a finite number >= 0, got {resolved['beta']}")
+    if any(not (math.isfinite(resolved.get(k, 1.0)) and resolved.get(k, 1.0) > 0) for k in ("tau_pos", "tau_neg")):
+        raise LossSpecError(f"{loss_fn}: tau_pos and tau_neg must be finite numbers > 0")
     if not 0 <= resolved.get("label_smoothing", 0.0) <= 0.5:
         raise LossSpecError(f"{loss_fn}: label_smoothing must be in [0, 0.5]")
     if not (math.isfinite(resolved.get("sft_weight", 0.0)) and resolved.get("sft_weight", 0.0) >= 0):

@@ -72,6 +72,13 @@ class DRGRPOLoss(GRPOLoss):
     max_completion_length: int = Field(1024, ge=1)
 
 
+class SAPOLoss(GRPOLoss):
+    """Soft-gated policy loss: -sigmoid(tau (r - 1)) * 4 / tau * A, tau_pos for A > 0, tau_neg otherwise."""
+
+    tau_pos: float = Field(1.0, gt=0)
+    tau_neg: float = Field(1.0, gt=0)
+
+
 class DPOLoss(Component):
     """Upstream's DPO on (chosen, rejected) row pairs; reference logps from a `disable_lora` forward_only."""
 
@@ -199,7 +206,7 @@ class InputProcessor(Component):
 
 COMPONENTS: dict[Slot, dict[str, type[Component]]] = {
     "loss": {"CrossEntropyLoss": CrossEntropyLoss, "GRPOLoss": GRPOLoss, "PPOLoss": PPOLoss, "GSPOLoss": GSPOLoss,
-             "CISPOLoss": CISPOLoss, "BNPOLoss": BNPOLoss, "DRGRPOLoss": DRGRPOLoss, "DPOLoss": DPOLoss,
+             "CISPOLoss": CISPOLoss, "BNPOLoss": BNPOLoss, "DRGRPOLoss": DRGRPOLoss, "SAPOLoss": SAPOLoss, "DPOLoss": DPOLoss,
              "SimPOLoss": SimPOLoss, "CPOLoss": CPOLoss, "ORPOLoss": ORPOLoss},
     "optimizer": {"AdamW": AdamW, "Adam": Adam, "SGD": SGD},
     "scheduler": {

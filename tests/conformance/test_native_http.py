@@ -241,7 +241,8 @@ def test_sampler_scores_prompts_and_stops(a: Native) -> None:
 
 @pytest.mark.parametrize("loss_cls,kwargs", [("PPOLoss", {"loss_agg_mode": "token-mean"}), ("GSPOLoss", {}),
                                              ("CISPOLoss", {}), ("BNPOLoss", {}),
-                                             ("DRGRPOLoss", {"max_completion_length": 32})])
+                                             ("DRGRPOLoss", {"max_completion_length": 32}),
+                                             ("SAPOLoss", {"tau_pos": 1.0, "tau_neg": 1.05})])
 def test_policy_loss_family_trains(a: Native, loss_cls: str, kwargs: dict) -> None:
     setup_adapter(a, gas=1)
     a.ok("set_loss", loss_cls=loss_cls, adapter_name="default", epsilon=0.2, **kwargs)
@@ -251,7 +252,7 @@ def test_policy_loss_family_trains(a: Native, loss_cls: str, kwargs: dict) -> No
     out = a.ok("forward_backward", inputs=feats, adapter_name="default", advantages=[1.0, -1.0], old_logps=old)
     assert np.isfinite(out["result"]["loss"])
     assert float(a.ok("clip_grad_and_step", adapter_name="default")["result"]) > 0
-    refused = a.op("set_loss", loss_cls="SAPOLoss", adapter_name="default")
+    refused = a.op("set_loss", loss_cls="GKDLoss", adapter_name="default")
     assert refused.status_code == 400 and "GSPOLoss" in refused.json()["detail"]
 
 

@@ -147,6 +147,9 @@ def _family_reference(loss: str, lps: list[torch.Tensor], feats: list[Feature], 
         ratio = torch.exp(log_ratio)
         if loss == "CISPOLoss":
             tok = -torch.clamp(ratio, max=1 + eps).detach() * a * lp
+        elif loss == "SAPOLoss":  # tau_pos 1.5, tau_neg 0.5
+            gate = torch.sigmoid(1.5 * (ratio - 1)) * (4.0 / 1.5) if a > 0 else torch.sigmoid(0.5 * (ratio - 1)) * 8.0
+            tok = -gate * a
         else:
             tok = -torch.min(ratio * a, torch.clamp(ratio, 1 - eps, 1 + eps_high) * a)
         tok = tok * torch.ones_like(lp)
@@ -163,7 +166,7 @@ def _family_reference(loss: str, lps: list[torch.Tensor], feats: list[Feature], 
 @pytest.mark.parametrize("with_old", [True, False])
 @pytest.mark.parametrize("loss,mode", [("GRPOLoss", None), ("PPOLoss", "token-mean"),
                                        ("PPOLoss", "seq-mean-token-mean"), ("GSPOLoss", None), ("CISPOLoss", None),
-                                       ("BNPOLoss", None), ("DRGRPOLoss", None)])
+                                       ("BNPOLoss", None), ("DRGRPOLoss", None), ("SAPOLoss", None)])
 def test_policy_loss_family_equals_upstream(loss: str, mode: str | None, with_old: bool) -> None:
     from server.services.native.losses import SEQUENCE_MEAN, TOKEN_MEAN
 
@@ -176,7 +179,7 @@ def test_policy_loss_family_equals_upstream(loss: str, mode: str | None, with_ol
     old_resp = [o[torch.from_numpy(f.mask)].tolist() for o, f in zip(old, feats)] if old is not None else None
     aggregation = None if mode is None else TOKEN_MEAN if mode == "token-mean" else SEQUENCE_MEAN
     batch = grpo_datums(feats, adv, old_resp, epsilon=0.2, epsilon_high=0.28, loss=loss, aggregation=aggregation,
-                        max_completion_length=16)
+                        max_completion_length=16, tau_pos=1.5, tau_neg=0.5)
     inputs = [{k: torch.from_numpy(np.asarray(v)).to(torch.float64) if np.asarray(v).dtype.kind == "f"
                else torch.from_numpy(np.asarray(v)) for k, v in x.items()} for _, x in batch.datums]
     out = compute_loss(batch.loss_fn, lps, inputs, batch.config)

@@ -150,6 +150,13 @@ def _dpo(datums: list[_Datum], cfg: Mapping[str, float], loss_type: str) -> Loss
     return LossOutput(loss=loss, outputs=outputs, metrics={"loss:sum": float(loss.detach())})
 
 
+def _sapo(d: _Datum, cfg: Mapping[str, float]) -> tuple[torch.Tensor, None]:
+    ratio, adv = _ratio(d), d.x["advantages"]
+    tau = torch.where(adv > 0, torch.tensor(cfg["tau_pos"], dtype=adv.dtype, device=adv.device),
+                      torch.tensor(cfg["tau_neg"], dtype=adv.dtype, device=adv.device))
+    return -(torch.sigmoid(tau * (ratio - 1)) * (4.0 / tau) * adv), None
+
+
 _BODIES: dict[str, _Body] = {
     "cross_entropy": _cross_entropy,
     "importance_sampling": _importance_sampling,
@@ -157,6 +164,7 @@ _BODIES: dict[str, _Body] = {
     "cispo": _cispo,
     "dro": _dro,
     "gspo": _gspo,
+    "sapo": _sapo,
 }
 _THRESHOLDS = ("clip_low_threshold", "clip_high_threshold")
 

@@ -74,7 +74,7 @@ def _rows(name: str, values: object, features: list[Feature]) -> Sequence[object
 SEQUENCE_MEAN, TOKEN_MEAN, CONSTANT = "seq-mean", "token-mean", "constant"
 AGGREGATION = {"GRPOLoss": SEQUENCE_MEAN, "GSPOLoss": SEQUENCE_MEAN, "BNPOLoss": TOKEN_MEAN, "CISPOLoss": TOKEN_MEAN,
                "DRGRPOLoss": CONSTANT}
-OBJECTIVE = {"GSPOLoss": "gspo", "CISPOLoss": "cispo"}  # the others: PPO's clipped ratio ("ppo")
+OBJECTIVE = {"GSPOLoss": "gspo", "CISPOLoss": "cispo", "SAPOLoss": "sapo"}  # the others: PPO's clipped ratio
 
 
 def _scales(features: list[Feature], aggregation: str, max_completion_length: int) -> list[float]:
@@ -88,9 +88,9 @@ def _scales(features: list[Feature], aggregation: str, max_completion_length: in
     return [1.0 / (max(int(f.mask.sum()), 1) * len(features)) for f in features]
 
 
-def grpo_datums(features: list[Feature], advantages: object, old_logps: object, *, epsilon: float,
+def grpo_datums(features: list[Feature], advantages: object, old_logps: object, *, epsilon: float,  # noqa: PLR0913
                 epsilon_high: float, loss: str = "GRPOLoss", aggregation: str | None = None,
-                max_completion_length: int = 1024) -> EngineBatch:
+                max_completion_length: int = 1024, tau_pos: float = 1.0, tau_neg: float = 1.0) -> EngineBatch:
     """The GRPO family (`loss`: GRPOLoss, PPOLoss, GSPOLoss, CISPOLoss, BNPOLoss, DRGRPOLoss): each row's advantages
     scaled by its aggregation weight (positive, so it passes through the clipped min) on the engine's ppo / gspo /
     cispo objective. Without old logps the ratio is 1: cross-entropy weighted by the scaled advantages has the
@@ -102,9 +102,10 @@ def grpo_datums(features: list[Feature], advantages: object, old_logps: object, 
     if old_logps is None:
         datums = [(f.input_ids, {"target_tokens": f.targets, "weights": (a * s).astype(np.float32)})
                   for f, a, s in zip(features, adv, scale)]
-        # CISPO at ratio 1 is -A * logp itself: the engine's cross-entropy value is upstream's
-        value = None if objective == "cispo" else -sum(float((a * f.mask).sum()) * s
-                                                       for f, a, s in zip(features, adv, scale))
+        # CISPO at ratio 1 is -A * logp itself: the engine's cross-entropy value is upstream's; SAPO's gate is 2 / tau
+        gate = [np.where(a > 0, 2.0 / tau_pos, 2.0 / tau_neg) if objective == "sapo" else 1.0 for a in adv]
+        value = None if objective == "cispo" else -sum(float((g * a * f.mask).sum()) * s
+                                                       for f, a, s, g in zip(features, adv, scale, gate))
         return EngineBatch("cross_entropy", datums, value=value)
     old = [_per_token("old_logps", i, o, f, False) for i, (o, f) in enumerate(
         zip(_rows("old_logps", old_logps, features), features))]
@@ -114,6 +115,8 @@ def grpo_datums(features: list[Feature], advantages: object, old_logps: object, 
         if objective == "gspo":
             inputs["sequence_ratio_mask"] = f.mask.astype(np.float32)
         datums.append((f.input_ids, inputs))
+    if objective == "sapo":
+        return EngineBatch(objective, datums, {"tau_pos": tau_pos, "tau_neg": tau_neg})
     bounds = (0.0, 1 + epsilon) if objective == "cispo" else (1 - epsilon, 1 + epsilon_high)
     return EngineBatch(objective, datums, {"clip_low_threshold": bounds[0], "clip_high_threshold": bounds[1]})
 

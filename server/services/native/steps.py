@@ -35,7 +35,7 @@ from server.services.native.encoding import EncodeError, encode_messages
 from server.services.native.losses import EngineBatch
 
 FORWARD_KWARGS = {"gradient_accumulation_steps", "temperature", "return_logits", "disable_lora", "task"}
-POLICY_LOSSES = ("GRPOLoss", "PPOLoss", "GSPOLoss", "CISPOLoss", "BNPOLoss", "DRGRPOLoss")
+POLICY_LOSSES = ("GRPOLoss", "PPOLoss", "GSPOLoss", "CISPOLoss", "BNPOLoss", "DRGRPOLoss", "SAPOLoss")
 PREFERENCE_LOSSES = ("DPOLoss", "SimPOLoss", "CPOLoss", "ORPOLoss")
 LOSS_KWARGS = {**{name: {"advantages", "old_logps"} for name in POLICY_LOSSES}, "DPOLoss": {"ref_outputs", "ref_logps"}}
 
@@ -114,7 +114,8 @@ def _engine_batch(adapter: Adapter, features: list[Feature], kwargs: dict[str, A
         aggregation = None if mode is None else losses.TOKEN_MEAN if mode == "token-mean" else losses.SEQUENCE_MEAN
         return losses.grpo_datums(features, kwargs["advantages"], kwargs.get("old_logps"), epsilon=eps,
                                   epsilon_high=eps if high is None else high, loss=loss["name"],
-                                  aggregation=aggregation, max_completion_length=a.get("max_completion_length", 1024))
+                                  aggregation=aggregation, max_completion_length=a.get("max_completion_length", 1024),
+                                  tau_pos=a.get("tau_pos", 1.0), tau_neg=a.get("tau_neg", 1.0))
     if loss["name"] not in PREFERENCE_LOSSES:
         raise BadRequest(f"loss {loss['name']} is not available for this operation")
     ref = kwargs.get("ref_logps")
