@@ -14,15 +14,11 @@ from enum import Enum
 from typing import Annotated, Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import Field, TypeAdapter
 
 from api_schemas.arrays import Array, Column, present
 from api_schemas.custom_loss import CustomLossProgram
-
-
-class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_bytes="base64", val_json_bytes="base64",
-                              ser_json_inf_nan="constants")
+from api_schemas.training import SGD, Adam, AdamW, Frozen, LoraSpec, LRSchedule, Optimizer
 
 
 class ErrorCategory(str, Enum):
@@ -31,83 +27,13 @@ class ErrorCategory(str, Enum):
     UNKNOWN = "unknown"
 
 
-# The layers an adapter can target, by name suffix (train_attn, train_mlp, train_unembed select the groups).
-ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
-UNEMBED_MODULES = ("lm_head",)
-LORA_TARGETS = ATTN_MODULES + MLP_MODULES + UNEMBED_MODULES
-
-
-class LoraSpec(_Frozen):
-    rank: int
-    seed: int | None = None
-    train_attn: bool = True
-    train_mlp: bool = True
-    train_unembed: bool = True
-    # The native client's LoraConfig (the Tinker SDK sends none of these): the scale's alpha (None: the server's
-    # default), rsLoRA (alpha / sqrt(rank) instead of alpha / rank), and the targeted layers by name suffix
-    # (e.g. q_proj, down_proj) instead of the three groups above (None: the groups).
-    alpha: float | None = None
-    rslora: bool = False
-    modules: tuple[str, ...] | None = None
-    dropout: float = Field(0.0, ge=0, lt=1)  # PEFT's lora_dropout on the adapter's input, in training passes
-
-
-class AdamW(_Frozen):
-    """torch.optim.AdamW's update, with global grad-norm clipping of the adapter's own parameters first."""
-
-    kind: Literal["adamw"] = "adamw"
-    learning_rate: float
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-12
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 0.0  # <= 0: no clipping
-
-
-class SGD(_Frozen):
-    """torch.optim.SGD's update (momentum, dampening 0, optional Nesterov), after the same clipping."""
-
-    kind: Literal["sgd"] = "sgd"
-    learning_rate: float
-    momentum: float = 0.0
-    nesterov: bool = False
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 0.0
-
-
-class Adam(AdamW):
-    """torch.optim.Adam's update (and its defaults): weight decay as L2, added to the clipped gradient, not
-    decoupled as AdamW's."""
-
-    kind: Literal["adam"] = "adam"  # type: ignore[assignment]
-    beta2: float = 0.999
-    eps: float = 1e-8
-
-
-Optimizer = Annotated[AdamW | Adam | SGD, Field(discriminator="kind")]
-
-
-class LRSchedule(_Frozen):
-    """Scales the step's learning rate by where the model is in its schedule (the engine counts the steps).
-
-    factor(step) = step / warmup_steps during warm-up, then 1 (constant), a linear decay or a half cosine from
-    `start_ratio` down (or up) to `min_ratio` at `total_steps` (and `min_ratio` after it)."""
-
-    kind: Literal["constant", "linear", "cosine"] = "constant"
-    warmup_steps: int = 0
-    total_steps: int | None = None  # needed by linear and cosine
-    min_ratio: float = 0.0  # the factor at total_steps
-    start_ratio: float = 1.0  # the factor where the decay starts (torch's LinearLR start_factor)
-
-
-class CreateModel(_Frozen):
+class CreateModel(Frozen):
     kind: Literal["create_model"] = "create_model"
     lora: LoraSpec
     optimizer: Literal["adamw"] = "adamw"
 
 
-class ForwardBackward(_Frozen):
+class ForwardBackward(Frozen):
     """A training batch: forward (and, unless forward_only, backward) of a model's datums under one loss.
 
     `rows`, `max_len` and `tokens` are computed once, by `build`, where the batch is made: quotas and the
@@ -143,7 +69,7 @@ class ForwardBackward(_Frozen):
         return [(t, present(columns, i)) for i, t in enumerate(self.model_input.arrays()) if t is not None]
 
 
-class OptimStep(_Frozen):
+class OptimStep(Frozen):
     kind: Literal["optim_step"] = "optim_step"
     optimizer: Optimizer
     schedule: LRSchedule | None = None  # None: the optimizer's learning_rate as it is
@@ -152,7 +78,7 @@ class OptimStep(_Frozen):
     grad_scale: float = 1.0
 
 
-class Gradients(_Frozen):
+class Gradients(Frozen):
     """The model's accumulated gradients without a step: their global norm (times `grad_scale`, as OptimStep would
     see them), or `clear` to drop them (the native protocol's clip_grad_norm and zero_grad)."""
 
@@ -161,28 +87,28 @@ class Gradients(_Frozen):
     grad_scale: float = 1.0
 
 
-class SaveWeights(_Frozen):
+class SaveWeights(Frozen):
     kind: Literal["save_weights"] = "save_weights"
     storage_key: str  # relative location inside the checkpoint store, minted by the gateway
     with_optimizer: bool  # weights + optimizer state (a resumable training checkpoint), or weights only
     max_bytes: int | None = None  # the tenant's storage quota left: a bigger checkpoint fails (category user)
 
 
-class LoadWeights(_Frozen):
+class LoadWeights(Frozen):
     kind: Literal["load_weights"] = "load_weights"
     storage_key: str
     with_optimizer: bool
     create: bool  # True: the model slot is created by this load (create-via-load)
 
 
-class Skip(_Frozen):
+class Skip(Frozen):
     """Marks a seq_id as consumed without work (its request was rejected), so later ones are not held back."""
 
     kind: Literal["skip"] = "skip"
     reason: str
 
 
-class ReleaseModel(_Frozen):
+class ReleaseModel(Frozen):
     """Frees a model whose client session ended: its adapter leaves the worker and its recovery state the queue.
 
     Not part of the model's seq_id order: it runs once every job queued before it has run (its seq_id is
@@ -195,7 +121,7 @@ class ReleaseModel(_Frozen):
 RELEASE_SEQ = -1  # Job.seq_id of a ReleaseModel
 
 
-class WeightsRef(_Frozen):
+class WeightsRef(Frozen):
     """One immutable weight version a sampler serves: a PEFT adapter folder in the checkpoint store.
 
     `version` names the bytes, not the place: a sampler caches loaded adapters by it, so two saves never share one
@@ -206,7 +132,7 @@ class WeightsRef(_Frozen):
     version: str
 
 
-class SampleParams(_Frozen):
+class SampleParams(Frozen):
     """SamplingParams as the worker runs them; the gateway resolved every default."""
 
     max_tokens: int
@@ -219,7 +145,7 @@ class SampleParams(_Frozen):
     stop_at_eos: bool = True  # the model's EOS token(s) also stop; False only for `stop: []` (no stopping at all)
 
 
-class Sample(_Frozen):
+class Sample(Frozen):
     """Sampling or prompt scoring (lane "sample"); the result is a SampleResult."""
 
     kind: Literal["sample"] = "sample"
@@ -247,7 +173,7 @@ def queue_name(base_model: str, lane: Lane) -> str:
     return f"{base_model}|{lane}"
 
 
-class Job(_Frozen):
+class Job(Frozen):
     job_id: str
     tenant_id: str
     base_model: str
@@ -269,7 +195,7 @@ class Job(_Frozen):
         return hashlib.sha256(self.payload.__pydantic_serializer__.to_json(self.payload)).hexdigest()
 
 
-class JobError(_Frozen):
+class JobError(Frozen):
     category: ErrorCategory
     message: str
 
@@ -296,7 +222,7 @@ RESULT_KINDS: dict[str, ResultKind] = {
 }
 
 
-class ModelReady(_Frozen):
+class ModelReady(Frozen):
     """create_model and load_weights: the model holds its adapter (new, or loaded from a checkpoint)."""
 
     kind: Literal["model_ready"] = "model_ready"
@@ -305,7 +231,7 @@ class ModelReady(_Frozen):
     parameters: dict[str, tuple[int, ...]] | None = None
 
 
-class ForwardBackwardResult(_Frozen):
+class ForwardBackwardResult(Frozen):
     kind: Literal["forward_backward"] = "forward_backward"
     outputs: dict[str, Column]  # per datum, in order: "logprobs" (+ "elementwise_loss", ...)
     metrics: dict[str, float]  # "name:reduction" keys; always "loss:sum"
@@ -323,25 +249,25 @@ class ForwardBackwardResult(_Frozen):
         return [present(columns, i) for i in range(count)]
 
 
-class OptimStepResult(_Frozen):
+class OptimStepResult(Frozen):
     kind: Literal["optim_step"] = "optim_step"
     metrics: dict[str, float]
     learning_rate: float  # the rate the step used (after the schedule)
     step: int  # the model's optimizer steps so far, this one included
 
 
-class GradientsResult(_Frozen):
+class GradientsResult(Frozen):
     kind: Literal["gradients"] = "gradients"
     grad_norm: float  # of the gradients before the action (0 when none were accumulated)
 
 
-class SaveResult(_Frozen):
+class SaveResult(Frozen):
     kind: Literal["save"] = "save"
     storage_key: str
     size_bytes: int
 
 
-class SampledSequence(_Frozen):
+class SampledSequence(Frozen):
     tokens: tuple[int, ...]
     logprobs: tuple[float, ...]
     stop_reason: Literal["stop", "length"]
@@ -352,7 +278,7 @@ class SampledSequence(_Frozen):
 TOPK_EMPTY_LOGPROB = -99999.0  # the logprob of an empty top-k slot (its token id is 0)
 
 
-class SampleResult(_Frozen):
+class SampleResult(Frozen):
     kind: Literal["sample"] = "sample"
     sequences: tuple[SampledSequence, ...] = ()
     prompt_logprobs: Array | None = None  # (len(prompt),) float32, NaN where not scored
@@ -361,12 +287,12 @@ class SampleResult(_Frozen):
     prompt_cache_hit_tokens: int = 0
 
 
-class Skipped(_Frozen):
+class Skipped(Frozen):
     kind: Literal["skipped"] = "skipped"
     reason: str
 
 
-class Released(_Frozen):
+class Released(Frozen):
     kind: Literal["released"] = "released"
     model_id: str
 
@@ -379,7 +305,7 @@ Output = Annotated[
 _OUTPUT: TypeAdapter[Output] = TypeAdapter(Output)
 
 
-class JobResult(_Frozen):
+class JobResult(Frozen):
     """A job's outcome: its typed output, or an error. Queues carry the output as `body` (its JSON)."""
 
     job_id: str

@@ -33,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx  # noqa: E402
 
-from api_schemas.jobs import AdamW, Job, JobResult, OptimStep, OptimStepResult, queue_name  # noqa: E402
+from api_schemas.jobs import Job, JobResult, OptimStep, OptimStepResult, queue_name  # noqa: E402
+from api_schemas.training import AdamW
 from api_schemas.models import ServedModel  # noqa: E402
 from jobqueue.redis_queue import RedisQueue  # noqa: E402
 

@@ -37,7 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from api_schemas.jobs import LoraSpec, Sample, SampleParams, WeightsRef
+from api_schemas.jobs import Sample, SampleParams, WeightsRef
+from api_schemas.training import LoraSpec
 from server.config import DEFAULT_BASE_MODEL
 from workers.checkpoints.store import CheckpointStore
 from workers.engine.adapter_pool import AdapterPool

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from api_schemas.jobs import ATTN_MODULES, LORA_TARGETS, MLP_MODULES, LoraSpec
+from api_schemas.training import ATTN_MODULES, LORA_TARGETS, MLP_MODULES, LoraSpec
 
 __all__ = ["LoraConfigError", "parse_lora_config"]
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import secrets
 import uuid
 
-from api_schemas.jobs import CreateModel, LoraSpec
+from api_schemas.jobs import CreateModel
+from api_schemas.training import LoraSpec
 from api_schemas.tinker.types import (
     CreateModelRequest,
     GetInfoResponse,

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import re
 
-from api_schemas.jobs import AdamW, ForwardBackward, LoadWeights, OptimStep, Payload, SaveWeights
+from api_schemas.jobs import ForwardBackward, LoadWeights, OptimStep, Payload, SaveWeights
+from api_schemas.training import AdamW
 from api_schemas.tinker.json_batch import decode_json_forward_backward, parse_json_forward_backward
 from api_schemas.tinker.proto import (
     DecodedForwardBackward,

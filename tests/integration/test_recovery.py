@@ -15,8 +15,16 @@ import pytest
 import torch
 
 from api_schemas.jobs import (
-    AdamW, CreateModel, ForwardBackward, Job, JobResult, LoadWeights, LoraSpec, OptimStep, SaveWeights, queue_name,
+    CreateModel,
+    ForwardBackward,
+    Job,
+    JobResult,
+    LoadWeights,
+    OptimStep,
+    SaveWeights,
+    queue_name,
 )
+from api_schemas.training import AdamW, LoraSpec
 from jobqueue.redis_queue import RedisQueue
 from workers.checkpoints.store import CheckpointStore
 from workers.dispatcher import Dispatcher

@@ -9,7 +9,8 @@ import uuid
 
 import pytest
 
-from api_schemas.jobs import AdamW, Job, OptimStep, queue_name
+from api_schemas.jobs import Job, OptimStep, queue_name
+from api_schemas.training import AdamW
 from jobqueue.redis_queue import RedisQueue
 
 pytest.importorskip("redis")

@@ -11,7 +11,6 @@ import pytest
 
 from api_schemas.arrays import Column
 from api_schemas.jobs import (
-    AdamW,
     ErrorCategory,
     ForwardBackward,
     ForwardBackwardResult,
@@ -26,6 +25,7 @@ from api_schemas.jobs import (
     Skipped,
     queue_name,
 )
+from api_schemas.training import AdamW
 from jobqueue.base import CANCELLED, DuplicateJobMismatch, LeaseLost
 from jobqueue.redis_queue import RedisQueue
 

@@ -6,16 +6,8 @@ import uuid
 
 import numpy as np
 
-from api_schemas.jobs import (
-    AdamW,
-    CreateModel,
-    ForwardBackward,
-    ForwardBackwardResult,
-    Job,
-    JobResult,
-    LoraSpec,
-    OptimStep,
-)
+from api_schemas.jobs import CreateModel, ForwardBackward, ForwardBackwardResult, Job, JobResult, OptimStep
+from api_schemas.training import AdamW, LoraSpec
 
 ADAM = AdamW(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-12, weight_decay=0.01, grad_clip_norm=0.0)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from api_schemas.jobs import Adam, AdamW, LRSchedule
+from api_schemas.training import Adam, AdamW, LRSchedule
 from tests.unit.test_optim import _grads, _params
 from workers.engine.optim import InvalidOptimizerParamsError, OptimState, optimizer_step, schedule_factor
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from api_schemas.jobs import SGD, AdamW, LoraSpec, LRSchedule, OptimStep
+from api_schemas.jobs import OptimStep
+from api_schemas.training import SGD, AdamW, LRSchedule, LoraSpec
 from tests.unit.engine_jobs import create, fb
 from tests.unit.test_optim import (
     SCHEDULE,

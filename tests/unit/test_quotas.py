@@ -15,12 +15,12 @@ from api_schemas.jobs import (
     Job,
     JobError,
     JobResult,
-    LoraSpec,
     Sample,
     SampleParams,
     Skip,
     queue_name,
 )
+from api_schemas.training import LoraSpec
 from jobqueue.base import DuplicateJobMismatch
 from jobqueue.local_queue import LocalQueue
 from server.auth.rate_limits import TokenBucket

@@ -5,15 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from api_schemas.jobs import (
-    RELEASE_SEQ,
-    AdamW,
-    ForwardBackward,
-    Job,
-    OptimStep,
-    ReleaseModel,
-    Skip,
-)
+from api_schemas.jobs import RELEASE_SEQ, ForwardBackward, Job, OptimStep, ReleaseModel, Skip
+from api_schemas.training import AdamW
 from workers.scheduler import JobSize, Scheduler
 
 

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from api_schemas.jobs import AdamW, CreateModel, ForwardBackward, Job, LoraSpec, OptimStep
+from api_schemas.jobs import CreateModel, ForwardBackward, Job, OptimStep
+from api_schemas.training import AdamW, LoraSpec
 from workers.checkpoints.store import CheckpointStore
 from workers.engine.base_model import BaseModel
 from workers.engine.trainer import Trainer

@@ -15,7 +15,8 @@ import numpy as np
 import torch
 from tinker.proto import tinker_public_pb2 as pb
 
-from api_schemas.jobs import LoraSpec, Sample, SampleParams, SampleResult, WeightsRef
+from api_schemas.jobs import Sample, SampleParams, SampleResult, WeightsRef
+from api_schemas.training import LoraSpec
 from api_schemas.tinker.proto import encode_sample_response
 from workers.checkpoints.store import CheckpointStore
 

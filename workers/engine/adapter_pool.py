@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from api_schemas.jobs import LoraSpec
+from api_schemas.training import LoraSpec
 from workers.engine.base_model import BaseModel
 from workers.engine.multi_lora import lora_scale, target_module_names
 from workers.engine.optim_state import OptimState

@@ -35,7 +35,7 @@ from typing import cast
 import torch
 from torch import nn
 
-from api_schemas.jobs import ATTN_MODULES, MLP_MODULES, UNEMBED_MODULES
+from api_schemas.training import ATTN_MODULES, MLP_MODULES, UNEMBED_MODULES
 
 
 # one layer's adapters: id -> A (r, in), id -> B (out, r), id -> scale

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from api_schemas.jobs import SGD, Adam, AdamW, LRSchedule
+from api_schemas.training import SGD, Adam, AdamW, LRSchedule
 from workers.engine.optim_state import ADAMW as _ADAMW
 from workers.engine.optim_state import SGD as _SGD
 from workers.engine.optim_state import AdamState, OptimState

@@ -21,7 +21,8 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from api_schemas.jobs import CreateModel, JobResult, LoraSpec, ModelReady, Output, Payload
+from api_schemas.jobs import CreateModel, JobResult, ModelReady, Output, Payload
+from api_schemas.training import LoraSpec
 from server.db import repositories as repo
 from server.db.models import ModelRow, NativeAdapterRow, SessionRow
 from server.errors import BadRequest, DomainError, Gone, NotFound

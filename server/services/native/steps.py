@@ -15,17 +15,14 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from api_schemas.jobs import (
-    SGD,
-    Adam,
-    AdamW,
     ForwardBackward,
     ForwardBackwardResult,
     Gradients,
     GradientsResult,
-    LRSchedule,
     OptimStep,
     OptimStepResult,
 )
+from api_schemas.training import SGD, Adam, AdamW, LRSchedule
 from api_schemas.native.features import Feature, FeatureError, is_feature_list, read_features
 from server.errors import BadRequest
 from server.services.context import Context
