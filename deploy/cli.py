@@ -7,10 +7,13 @@ import asyncio
 import logging
 import os
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from deploy import tenants_cli
 from server.config import Settings
+
+T = TypeVar("T")
 
 
 def _settings(args: argparse.Namespace) -> Settings:
@@ -34,11 +37,13 @@ def _serve(args: argparse.Namespace) -> int:
     if settings.redis_url:  # cluster wiring: Redis queue, workers in their own processes unless asked
         from deploy.cluster import build_gateway_app
 
-        app = build_gateway_app(settings)
+        app = _built(lambda: build_gateway_app(settings))
     else:
         from deploy.embedded import build_embedded_app
 
-        app = build_embedded_app(settings)
+        app = _built(lambda: build_embedded_app(settings))
+    if app is None:
+        return 2
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
                 access_log=settings.access_log)
     return 0
@@ -94,7 +99,8 @@ def _worker(args: argparse.Namespace) -> int:
     if not lanes or set(lanes) - set(LANES):
         print(f"error: --lanes takes a comma-separated subset of {','.join(LANES)}", file=sys.stderr)
         return 2
-    return worker_main(settings, lanes)
+    code = _built(lambda: worker_main(settings, lanes))
+    return 2 if code is None else code
 
 
 def _migrate(args: argparse.Namespace) -> int:
@@ -138,6 +144,28 @@ def _keys(args: argparse.Namespace) -> int:
     return run_db_command(_settings(args), body)
 
 
+def _model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--base-model", dest="base_model", action="append",
+                        help="HF/ModelScope id or a local HF folder; repeat it to serve several base models")
+    parser.add_argument("--served-model-name", dest="served_model_name", action="append",
+                        help="the name clients use for the base model of the same position (default: its source)")
+    parser.add_argument("--skip-failed-models", dest="skip_failed_models", action="store_const", const=True,
+                        help="start without a base model that fails to load (reported by /readyz)")
+    parser.add_argument("--memory-budget-bytes", dest="memory_budget_bytes", type=int,
+                        help="memory the base models and full-parameter copies may take (default: what is free)")
+
+
+def _built(build: Callable[[], T]) -> T | None:
+    """The app (or runtime) `build` makes, or None after printing why a base model could not be loaded."""
+    from workers.runtime import ModelLoadError
+
+    try:
+        return build()
+    except ModelLoadError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--data-dir", dest="data_dir", help="where the database, models and checkpoints live")
@@ -148,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     serve = sub.add_parser("serve", parents=[common], help="run the server (embedded mode by default)")
     serve.add_argument("--host")
     serve.add_argument("--port", type=int)
-    serve.add_argument("--base-model", dest="base_model", help="HF/ModelScope id or a local HF folder")
+    _model_arguments(serve)
     serve.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "float64"])
     serve.add_argument("--device")
     serve.add_argument("--sampler", choices=["torch", "vllm"], help="sampler backend (default torch)")
@@ -167,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.set_defaults(func=_serve)
 
     worker = sub.add_parser("worker", parents=[common], help="run one base model's training worker on Redis")
-    worker.add_argument("--base-model", dest="base_model", help="HF/ModelScope id or a local HF folder")
+    _model_arguments(worker)
     worker.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "float64"])
     worker.add_argument("--device")
     worker.add_argument("--redis-url", dest="redis_url")

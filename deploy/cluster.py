@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI
 
 from api_schemas.models import ServedModel
 from deploy.specs import (
     MIN_QUOTA_REFRESH_SECONDS,
-    spec_from_settings,
+    specs_from_settings,
     storage_from_settings,
 )
 from jobqueue.redis_queue import RedisQueue
@@ -47,25 +48,32 @@ def build_gateway_app(settings: Settings) -> FastAPI:
     queue = redis_queue(settings)
     served: dict[str, ServedModel] = {}
     limits = TenantLimits(settings)
+    failed: dict[str, str] = {}
     background: list[Background] = [lambda: follow_registry(queue, served),
                                     lambda: publish_resident_limits(settings, queue)]
     if settings.gateway_runs_worker:  # the compute side is imported only here
         from workers.runtime import Runtime
 
-        runtime = Runtime.build(spec_from_settings(settings), queue, resident_limit=limits.resident_adapters,
-                                durable=True)
-        model = runtime.served
-        served[model.name] = model
-        (run_dispatcher, _), (run_sampler, _) = runtime.loops()
-
-        async def run_trainer() -> None:
-            await queue.register_served(model)
-            await run_dispatcher()
-
-        background += [run_trainer, run_sampler]
+        runtimes, failed = Runtime.build_all(specs_from_settings(settings), queue,
+                                             resident_limit=limits.resident_adapters, durable=True,
+                                             skip_failed=settings.skip_failed_models)
+        for runtime in runtimes:
+            served[runtime.served.name] = runtime.served
+            (run_dispatcher, _), (run_sampler, _) = runtime.loops()
+            background += [_registered(queue, runtime.served, run_dispatcher), run_sampler]
     # hub uploads run on the gateway's own threads; they read the checkpoints from the shared storage
     pusher = hub_pusher(storage_from_settings(settings), settings.hub_push_concurrency)
-    return create_app(settings, queue, served, background=background, pusher=pusher, limits=limits)
+    return create_app(settings, queue, served, background=background, pusher=pusher, limits=limits,
+                      unavailable=failed if settings.gateway_runs_worker else None)
+
+
+def _registered(queue: RedisQueue, model: ServedModel, run: Callable[[], Awaitable[None]]) -> Background:
+    """The dispatcher of an in-gateway worker, once its model is registered for the other gateways."""
+    async def run_trainer() -> None:
+        await queue.register_served(model)
+        await run()
+
+    return run_trainer
 
 
 async def publish_resident_limits(settings: Settings, queue: RedisQueue) -> None:

@@ -120,6 +120,7 @@ class Limits(_Strict):
     adapter_device_budget_bytes: int | None = Field(None, ge=0)  # adapter paging (workers/engine/paging.py)
     adapter_host_budget_bytes: int | None = Field(None, ge=0)
     quota_max_resident_adapters: int | None = Field(None, gt=0)  # tenants without their own quota
+    memory_budget_bytes: int | None = Field(None, gt=0)  # per replica: its base model (workers/memory.py)
     max_request_bytes: int | None = Field(None, gt=0)
     max_datums_per_request: int | None = Field(None, gt=0)
     sample_default_max_tokens: int | None = Field(None, gt=0)

@@ -1,6 +1,6 @@
 """Settings onto the compute side's one spec (workers/runtime.WorkerSpec), for every wiring.
 
-`spec_from_settings` serves embedded mode, `twinkle-server worker` and a gateway that runs a worker; `spec_from_ray`
+`specs_from_settings` (one spec per `--base-model`) serves embedded mode, `twinkle-server worker` and a gateway that runs a worker; `spec_from_ray`
 serves the Ray application (deploy/ray_app.py), where the YAML config names the models and their sampler, and
 everything else comes from the same settings (with the config's `limits` applied first, deploy/ray_app.apply_limits).
 tests/unit/test_worker_spec.py checks that every field of the spec is carried.
@@ -20,9 +20,17 @@ def storage_from_settings(settings: Settings) -> StorageSpec:
                        cache_dir=settings.storage_cache_dir)
 
 
-def spec_from_settings(settings: Settings) -> WorkerSpec:
+def specs_from_settings(settings: Settings) -> list[WorkerSpec]:
+    """One spec per served base model (`--base-model`, repeatable), each named by its served name."""
+    return [spec_from_settings(settings, index) for index in range(len(settings.base_model))]
+
+
+def spec_from_settings(settings: Settings, index: int = 0) -> WorkerSpec:
+    """The spec of the settings' `index`-th base model (the first by default)."""
+    name, source = settings.served_models[index]
     return WorkerSpec(
-        base_model=settings.base_model,
+        base_model=name,
+        source=None if source == name else source,
         storage=storage_from_settings(settings),
         dtype=settings.dtype,
         device=settings.device,
@@ -38,6 +46,7 @@ def spec_from_settings(settings: Settings) -> WorkerSpec:
         sampler_max_loaded_adapters=settings.sampler_max_loaded_adapters,
         max_lora_rank=settings.max_lora_rank,
         hub_push_concurrency=settings.hub_push_concurrency,
+        memory_budget_bytes=settings.memory_budget_bytes,
     )
 
 

@@ -1,4 +1,5 @@
-"""`twinkle-server worker`: the worker of one base model, consuming the Redis queue (cluster wiring).
+"""`twinkle-server worker`: the worker of one or more base models (`--base-model`, repeatable), consuming the
+Redis queue (cluster wiring).
 
 The compute side is built by workers/runtime.py from the same spec as embedded mode (deploy/specs.py), plus what
 a separate process needs: it registers the served model for the gateways, holds each lane's lease while it runs,
@@ -17,7 +18,7 @@ from collections.abc import Awaitable, Callable
 
 from deploy.cluster import redis_queue
 from deploy.loop import run_loop
-from deploy.specs import spec_from_settings
+from deploy.specs import specs_from_settings
 from jobqueue.base import LeaseLost
 from jobqueue.redis_queue import RedisQueue
 from jobqueue.resident_limits import ResidentLimitFeed
@@ -32,8 +33,18 @@ __all__ = ["LANES", "build_cluster_runtime", "main", "serve_worker"]
 def build_cluster_runtime(spec: WorkerSpec, queue: RedisQueue,
                           lanes: tuple[str, ...] = LANES) -> tuple[Runtime, ResidentLimitFeed]:
     """The runtime on a Redis queue (durable: recovery on), with the published per-tenant quotas (blocking)."""
-    feed = ResidentLimitFeed(queue.client, queue.keys, spec.default_resident_adapters, spec.quota_refresh_seconds)
-    return Runtime.build(spec, queue, lanes=lanes, resident_limit=feed, durable=True), feed
+    runtimes, _, feed = build_cluster_runtimes([spec], queue, lanes)
+    return runtimes[0], feed
+
+
+def build_cluster_runtimes(specs: list[WorkerSpec], queue: RedisQueue, lanes: tuple[str, ...] = LANES,
+                           skip_failed: bool = False) -> tuple[list[Runtime], dict[str, str], ResidentLimitFeed]:
+    """The runtimes of several base models on one Redis queue, sharing one feed of the published quotas."""
+    first = specs[0]
+    feed = ResidentLimitFeed(queue.client, queue.keys, first.default_resident_adapters, first.quota_refresh_seconds)
+    runtimes, failed = Runtime.build_all(specs, queue, lanes=lanes, resident_limit=feed, durable=True,
+                                         skip_failed=skip_failed)
+    return runtimes, failed, feed
 
 
 async def serve_worker(settings: Settings, lanes: tuple[str, ...] = LANES) -> int:
@@ -42,14 +53,16 @@ async def serve_worker(settings: Settings, lanes: tuple[str, ...] = LANES) -> in
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     queue = redis_queue(settings)
-    runtime, feed = await asyncio.to_thread(build_cluster_runtime, spec_from_settings(settings), queue, lanes)
-    served = runtime.served
-    loops: list[tuple[Callable[[], Awaitable[None]], Callable[[], None]]] = [*runtime.loops(), (feed.run, feed.stop)]
+    runtimes, _failed, feed = await asyncio.to_thread(build_cluster_runtimes, specs_from_settings(settings), queue,
+                                                      lanes, settings.skip_failed_models)
+    loops: list[tuple[Callable[[], Awaitable[None]], Callable[[], None]]] = [
+        *(loop for rt in runtimes for loop in rt.loops()), (feed.run, feed.stop)]
     tasks = [asyncio.create_task(run()) for run, _ in loops]
     stopping = asyncio.create_task(stop.wait())
     code = 0
     try:
-        await queue.register_served(served)
+        for rt in runtimes:
+            await queue.register_served(rt.served)
         await asyncio.wait({*tasks, stopping}, return_when=asyncio.FIRST_COMPLETED)
         for t in tasks:
             if t.done():
@@ -64,7 +77,7 @@ async def serve_worker(settings: Settings, lanes: tuple[str, ...] = LANES) -> in
             t.cancel()
         await asyncio.gather(*tasks, stopping, return_exceptions=True)
         await queue.close()  # gives the leases back: a successor starts at once
-    log.info("worker for %s stopped", served.name)
+    log.info("worker for %s stopped", ", ".join(rt.served.name for rt in runtimes))
     return code
 
 

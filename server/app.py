@@ -49,10 +49,12 @@ def create_app(
     background: Sequence[Background] = (),
     pusher: HubPusher | None = None,
     limits: TenantLimits | None = None,
+    unavailable: dict[str, str] | None = None,
 ) -> FastAPI:
     """`background` are long-running coroutines started with the app (the in-process workers in embedded mode);
     `pusher` uploads checkpoints to a model hub (workers/checkpoints/hub.py, wired by deploy/); `limits` are the
-    tenants' quotas (shared with an in-process engine, which reads their adapters-in-memory limit)."""
+    tenants' quotas (shared with an in-process engine, which reads their adapters-in-memory limit);
+    `unavailable`: the base models that failed to load and were left out ({name: why}, reported by /readyz)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -63,7 +65,7 @@ def create_app(
         quotas.bind(db)
         admission = Admission(queue, quotas)  # requests over a tenant's quota wait here (server/services/quotas.py)
         app.state.ctx = ctx = Context(settings=settings, db=db, queue=queue, admission=admission, models=served,
-                                      storage=storage, keyring=Keyring(load_secret(settings)), pusher=pusher)
+                                      unavailable=dict(unavailable or {}), storage=storage, keyring=Keyring(load_secret(settings)), pusher=pusher)
         tasks = [asyncio.create_task(fn()) for fn in background]
         tasks.append(asyncio.create_task(run_maintenance(ctx)))  # TTL sweep, unsettled saves, auto-push
         for t in tasks:

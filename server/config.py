@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 DEFAULT_BASE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
@@ -17,7 +17,13 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     data_dir: Path = Path("./twinkle-data")
-    base_model: str = DEFAULT_BASE_MODEL
+    # The served base models: each an HF/ModelScope id or a local HF folder (`--base-model`, repeatable; env:
+    # comma-separated). `served_model_name` names them for clients, in the same order (default: the source itself),
+    # so a model loaded from a folder is not known by its path. `skip_failed_models`: a model that fails to load is
+    # left out and reported by /readyz, instead of failing the start.
+    base_model: Annotated[list[str], NoDecode] = Field(default_factory=lambda: [DEFAULT_BASE_MODEL], min_length=1)
+    served_model_name: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    skip_failed_models: bool = False
     database_url: str | None = None  # default: SQLite file in data_dir
     redis_url: str | None = None  # set -> Redis queue (cluster wiring); unset -> in-process queue
     backend: Literal["embedded", "ray"] = "embedded"
@@ -83,6 +89,32 @@ class Settings(BaseSettings):
     quota_tokens_per_minute: int | None = Field(None, gt=0)
     quota_max_concurrent_requests: int | None = Field(None, gt=0)
     quota_cache_seconds: float = Field(5.0, ge=0)  # a changed quota applies within this many seconds
+    # what one process's base models and full-parameter copies may take in memory (workers/memory.py): a model or
+    # a copy beyond it is refused up front, saying what it needs. None: the memory free when it is loaded
+    memory_budget_bytes: int | None = Field(None, gt=0)
+
+    @field_validator("base_model", "served_model_name", mode="before")
+    @classmethod
+    def _comma_list(cls, v: object) -> object:
+        if isinstance(v, str):
+            return [x.strip() for x in v.split(",") if x.strip()]
+        return v
+
+    @model_validator(mode="after")
+    def _model_names(self) -> Settings:
+        if len(self.served_model_name) > len(self.base_model):
+            raise ValueError(f"{len(self.served_model_name)} served model names for {len(self.base_model)} base models")
+        names = [name for name, _ in self.served_models]
+        duplicated = sorted({n for n in names if names.count(n) > 1})
+        if duplicated:
+            raise ValueError(f"served model names must be unique; repeated: {duplicated}")
+        return self
+
+    @property
+    def served_models(self) -> list[tuple[str, str]]:
+        """(the name clients use, where the model comes from) of each served base model, in order."""
+        names = self.served_model_name + self.base_model[len(self.served_model_name):]
+        return list(zip(names, self.base_model))
 
     @field_validator("data_dir")
     @classmethod

@@ -29,6 +29,7 @@ from api_schemas.jobs import queue_name
 from api_schemas.models import ServedModel
 from workers.checkpoints.hub import HubPusherPool
 from workers.checkpoints.store import CheckpointStore
+from workers.memory import MemoryLedger, MemoryRefused, parameter_count, weights_bytes
 
 if TYPE_CHECKING:  # the engine and samplers import torch: loaded only when a lane is built
     from jobqueue.base import WorkerQueue
@@ -87,6 +88,8 @@ class WorkerSpec(_Frozen):
     max_lora_rank: int = Field(128, gt=0)  # the largest rank the gateway accepts (vLLM sizes its slots for it)
     # hub uploads (workers/checkpoints/hub.py)
     hub_push_concurrency: int = Field(2, gt=0)
+    # what the process's base models and full-parameter copies may take (workers/memory.py); None: the free memory
+    memory_budget_bytes: int | None = Field(None, gt=0)
 
     @property
     def model_source(self) -> str:
@@ -131,6 +134,10 @@ def paging_config(spec: WorkerSpec, resident_limit: ResidentLimit | None = None)
     )
 
 
+class ModelLoadError(RuntimeError):
+    """A base model could not be loaded at start (the message names it and says why)."""
+
+
 @dataclass
 class Runtime:
     """The built compute side of one base model. `loops()` are the coroutines a wiring runs (with their stops)."""
@@ -148,11 +155,14 @@ class Runtime:
 
     @classmethod
     def build(cls, spec: WorkerSpec, queue: WorkerQueue, *, lanes: tuple[str, ...] = LANES,
-              resident_limit: ResidentLimit | None = None, durable: bool = False) -> Runtime:
+              resident_limit: ResidentLimit | None = None, durable: bool = False,
+              ledger: MemoryLedger | None = None) -> Runtime:
         """Load and wire the lanes asked for (blocking: loads weights). `resident_limit`: a tenant's
         adapters-in-memory quota (default: the spec's default for every tenant). `durable`: the queue keeps models'
         durable state (Redis), so the train lane snapshots and rebuilds adapters (workers/recovery.py); the
-        in-process queue keeps nothing, so snapshots there would be wasted."""
+        in-process queue keeps nothing, so snapshots there would be wasted. `ledger`: the process's memory
+        reservations (several runtimes in one process share one); a model that does not fit raises MemoryRefused
+        before its weights are read."""
         if set(lanes) - set(LANES):
             raise ValueError(f"unknown lanes {sorted(set(lanes) - set(LANES))}; known: {list(LANES)}")
         store = checkpoint_store(spec.storage)
@@ -161,6 +171,10 @@ class Runtime:
         if "train" in lanes or ("sample" in lanes and spec.sampler == "torch"):
             from workers.engine.base_model import BaseModel as Base
 
+            ledger = ledger or MemoryLedger(spec.memory_budget_bytes)
+            ledger.reserve(f"base:{spec.base_model}", f"base model {spec.base_model!r} "
+                           f"({parameter_count(folder) / 1e6:.1f} M parameters in {spec.dtype})",
+                           weights_bytes(folder, spec.dtype), spec.device)
             log.info("loading base model %s from %s", spec.base_model, folder)
             rt.base = Base(spec.base_model, folder, dtype=spec.dtype, device=spec.device)
         if "train" in lanes:
@@ -198,6 +212,31 @@ class Runtime:
         )
         self.sampling = SamplerWorker(queue, queue_name(spec.base_model, "sample"), self.sampler)
         self._loops.append((self.sampling.run, self.sampling.stop))
+
+    @classmethod
+    def build_all(cls, specs: list[WorkerSpec], queue: WorkerQueue, *, lanes: tuple[str, ...] = LANES,
+                  resident_limit: ResidentLimit | None = None, durable: bool = False,
+                  skip_failed: bool = False) -> tuple[list[Runtime], dict[str, str]]:
+        """The runtimes of several base models in one process, sharing one memory ledger, and {name: why} of
+        those that failed to load. A failure stops the start (ModelLoadError naming the model) unless
+        `skip_failed`; with it, the failed models are left out (at least one must load)."""
+        ledger = MemoryLedger(specs[0].memory_budget_bytes if specs else None)
+        built: list[Runtime] = []
+        failed: dict[str, str] = {}
+        for spec in specs:
+            try:
+                built.append(cls.build(spec, queue, lanes=lanes, resident_limit=resident_limit, durable=durable,
+                                       ledger=ledger))
+            except Exception as e:  # noqa: BLE001 - reported with the model's name (or skipped, if asked)
+                reason = str(e) if isinstance(e, MemoryRefused) else f"{type(e).__name__}: {e}"
+                if not skip_failed:
+                    raise ModelLoadError(f"base model {spec.base_model!r} (from {spec.model_source}) could not be "
+                                         f"loaded: {reason}") from e
+                log.error("base model %r (from %s) is left out: %s", spec.base_model, spec.model_source, reason)
+                failed[spec.base_model] = reason[:1000]
+        if not built:
+            raise ModelLoadError(f"no base model could be loaded: {failed}")
+        return built, failed
 
     def loops(self) -> list[Loop]:
         """(run, stop) of each lane's consumer loop: the dispatcher, then the sampler worker."""

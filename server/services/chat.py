@@ -68,7 +68,8 @@ async def resolve_model(ctx: Context, tenant_id: str, model: str) -> tuple[Serve
     async with ctx.db.session() as s:
         row = await repo.sampling_session_of(s, tenant_id, model)
     if row is None:
-        raise NotFound(f"model {model!r} not found; GET /v1/models lists the ones you can use")
+        raise NotFound(f"model {model!r} not found; base models served here: {sorted(ctx.models)}, and GET "
+                       "/v1/models lists your checkpoints and sampling sessions too")
     return ctx.served(row.base_model), sampling.weights_of(row)
 
 

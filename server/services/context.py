@@ -55,6 +55,7 @@ class Context:
     queue: GatewayQueue
     admission: Admission
     models: dict[str, ServedModel]  # served base models by name
+    unavailable: dict[str, str] = field(default_factory=dict)  # models that failed to load and were left out: why
     storage: CheckpointStorage | None = None  # checkpoint files, shared with the workers (jobqueue/storage.py)
     keyring: Keyring | None = None  # signs download URLs, encrypts hub tokens (server/services/secrets.py)
     pusher: HubPusher | None = None  # runs one hub upload off the event loop; wired by deploy/ (None: no hub push)

@@ -21,7 +21,7 @@ _TIMEOUT = 2.0
 
 
 async def readiness(ctx: Context) -> Readiness:
-    checks = [await _database(ctx)]
+    checks = [await _database(ctx), _models(ctx)]
     deployments: list[DeploymentReport] = []
     try:
         health = await asyncio.wait_for(ctx.queue.health(), 2 * _TIMEOUT)
@@ -37,6 +37,16 @@ async def readiness(ctx: Context) -> Readiness:
         ]
     ready = all(c.ok for c in checks) and all(d.ok for d in deployments)
     return Readiness(ready=ready, checks=checks, deployments=deployments)
+
+
+def _models(ctx: Context) -> Check:
+    """The served base models; those left out at start (`skip_failed_models`) are named with why. Ready while at
+    least one is served (a cluster gateway's list fills as its workers register)."""
+    served = ", ".join(sorted(ctx.models)) or "none yet"
+    detail = f"served: {served}"
+    if ctx.unavailable:
+        detail += "; failed to load: " + "; ".join(f"{n} ({why})" for n, why in sorted(ctx.unavailable.items()))
+    return Check(name="models", ok=bool(ctx.models) or not ctx.unavailable, detail=detail[:2000])
 
 
 async def _database(ctx: Context) -> Check:

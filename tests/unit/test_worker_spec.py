@@ -11,7 +11,7 @@ import pytest
 from pydantic import ValidationError
 
 from deploy.ray_config import Limits, parse_config
-from deploy.specs import spec_from_ray, spec_from_settings, storage_from_settings
+from deploy.specs import spec_from_ray, spec_from_settings, specs_from_settings, storage_from_settings
 from server.config import Settings
 from workers.runtime import Runtime, StorageSpec, WorkerSpec
 
@@ -21,7 +21,7 @@ SETTINGS = {
     "adapter_host_budget_bytes": 678, "quota_max_resident_adapters": 3, "quota_cache_seconds": 7.5,
     "train_token_budget": 777, "seq_gap_timeout_seconds": 12.0, "snapshot_every_steps": 4, "sampler": "vllm",
     "sampler_max_batch_rows": 9, "sampler_max_loaded_adapters": 5, "max_lora_rank": 16, "hub_push_concurrency": 6,
-    "storage_url": "memory://ckpt",
+    "storage_url": "memory://ckpt", "memory_budget_bytes": 10**9,
 }
 
 
@@ -46,7 +46,7 @@ def test_spec_from_settings_carries_every_field(tmp_path: Path) -> None:
         "adapter_host_budget_bytes": 678, "default_resident_adapters": 3, "quota_refresh_seconds": 7.5,
         "train_token_budget": 777, "seq_gap_timeout": 12.0, "snapshot_every_steps": 4, "sampler": "vllm",
         "sampler_max_batch_rows": 9, "sampler_max_loaded_adapters": 5, "max_lora_rank": 16,
-        "hub_push_concurrency": 6,
+        "hub_push_concurrency": 6, "memory_budget_bytes": 10**9,
     }
     assert spec.model_source == "org/some-model" and spec.storage.spill_dir == tmp_path.resolve() / "adapter-spill"
     # a quota cache of 0 (no cache) still has the worker re-read at most once a second
@@ -63,7 +63,7 @@ def test_spec_from_ray_carries_every_field(tmp_path: Path) -> None:
         "pusher": {"concurrency": 5},
         "limits": {"train_token_budget": 999, "adapter_device_budget_bytes": 1, "adapter_host_budget_bytes": 0,
                    "quota_max_resident_adapters": 2, "snapshot_every_steps": 3, "seq_gap_timeout_seconds": 9.0,
-                   "max_lora_rank": 32},
+                   "max_lora_rank": 32, "memory_budget_bytes": 2**30},
     })
     settings = apply_limits(Settings(data_dir=tmp_path, quota_cache_seconds=2.0, storage_url="memory://x"), config)
     spec = spec_from_ray(config, config.models[0], settings)
@@ -76,6 +76,7 @@ def test_spec_from_ray_carries_every_field(tmp_path: Path) -> None:
         "default_resident_adapters": 2, "quota_refresh_seconds": 2.0, "train_token_budget": 999,
         "seq_gap_timeout": 9.0, "snapshot_every_steps": 3, "sampler": "vllm", "sampler_max_batch_rows": 11,
         "sampler_max_loaded_adapters": 7, "max_lora_rank": 32, "hub_push_concurrency": 5,
+        "memory_budget_bytes": 2**30,
     }
     # settings the YAML leaves alone come from the TWINKLE_* environment, as in every other wiring
     env_only = apply_limits(_settings(tmp_path), default_config)
@@ -143,3 +144,20 @@ def test_runtime_defaults_and_lanes(tiny_model_dir: Path, tmp_path: Path) -> Non
     assert cfg.tenant_resident_limit is not None and cfg.tenant_resident_limit("anyone") == 2
     with pytest.raises(ValueError, match="unknown lanes"):
         Runtime.build(spec, LocalQueue(), lanes=("training",))
+
+
+def test_several_base_models_each_get_a_spec_named_by_its_served_name(tmp_path: Path) -> None:
+    settings = Settings(data_dir=tmp_path, base_model=["org/a", "/models/b", "org/c"],
+                        served_model_name=["a", "b"])
+    specs = specs_from_settings(settings)
+    assert [(s.base_model, s.source) for s in specs] == [("a", "org/a"), ("b", "/models/b"), ("org/c", None)]
+    assert all(s.storage == specs[0].storage for s in specs)  # one data dir and checkpoint storage for all
+    # the environment takes a comma-separated list
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TWINKLE_BASE_MODEL", "org/a, org/b")
+        mp.setenv("TWINKLE_SERVED_MODEL_NAME", "a")
+        assert Settings(data_dir=tmp_path).served_models == [("a", "org/a"), ("org/b", "org/b")]
+    with pytest.raises(ValidationError, match="repeated"):
+        Settings(data_dir=tmp_path, base_model=["org/a", "org/b"], served_model_name=["x", "x"])
+    with pytest.raises(ValidationError, match="2 served model names for 1 base models"):
+        Settings(data_dir=tmp_path, base_model=["org/a"], served_model_name=["x", "y"])
