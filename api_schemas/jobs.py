@@ -29,7 +29,7 @@ class ErrorCategory(str, Enum):
 
 class CreateModel(Frozen):
     kind: Literal["create_model"] = "create_model"
-    lora: LoraSpec
+    lora: LoraSpec | None  # None: a full-parameter run (a private trainable copy of the base model)
     optimizer: Literal["adamw"] = "adamw"
 
 

@@ -55,7 +55,7 @@ class Recovery:
         ) or (isinstance(p, Gradients) and p.action == "clear")
 
     def wants_snapshot(self, job: Job, result: JobResult) -> bool:
-        if not result.ok:
+        if not result.ok or job.model_id in self.trainer.full:  # a full copy: rebuilt by replay, never snapshot
             return False
         if isinstance(job.payload, LoadWeights):
             self._steps[job.model_id] = 0

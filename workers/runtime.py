@@ -146,6 +146,7 @@ class Runtime:
     served: ServedModel
     store: CheckpointStore
     folder: Path
+    ledger: MemoryLedger = field(default_factory=MemoryLedger)  # this process's reservations (shared by runtimes)
     base: Base | None = None  # loaded when a lane needs the weights in this process
     trainer: Trainer | None = None
     dispatcher: Dispatcher | None = None
@@ -167,11 +168,11 @@ class Runtime:
             raise ValueError(f"unknown lanes {sorted(set(lanes) - set(LANES))}; known: {list(LANES)}")
         store = checkpoint_store(spec.storage)
         folder = model_folder(spec)
-        rt = cls(spec=spec, served=served_model(spec.base_model, folder), store=store, folder=folder)
+        ledger = ledger or MemoryLedger(spec.memory_budget_bytes)
+        rt = cls(spec=spec, served=served_model(spec.base_model, folder), store=store, folder=folder, ledger=ledger)
         if "train" in lanes or ("sample" in lanes and spec.sampler == "torch"):
             from workers.engine.base_model import BaseModel as Base
 
-            ledger = ledger or MemoryLedger(spec.memory_budget_bytes)
             ledger.reserve(f"base:{spec.base_model}", f"base model {spec.base_model!r} "
                            f"({parameter_count(folder) / 1e6:.1f} M parameters in {spec.dtype})",
                            weights_bytes(folder, spec.dtype), spec.device)
@@ -190,7 +191,7 @@ class Runtime:
 
         spec = self.spec
         assert self.base is not None
-        trainer = Trainer(self.base, self.store, paging_config(spec, resident_limit))
+        trainer = Trainer(self.base, self.store, paging_config(spec, resident_limit), ledger=self.ledger)
         recovery = Recovery(trainer, self.store, snapshot_every=spec.snapshot_every_steps) if durable else None
         dispatcher = Dispatcher(  # merged multi-tenant steps (the Trainer is a StepEngine)
             queue, queue_name(spec.base_model, "train"), trainer.execute, gap_timeout=spec.seq_gap_timeout,

@@ -45,6 +45,15 @@ class Adapter:
     pins: int = 0  # > 0 while a step uses it: it never pages out then
     spill_path: Path | None = None
 
+    @property
+    def route_id(self) -> str:
+        """The name the multi-LoRA routing knows this adapter by."""
+        return self.model_id
+
+    @property
+    def dropout(self) -> float:
+        return self.spec.dropout
+
     def peft_state_dict(self) -> dict[str, torch.Tensor]:
         out = {}
         for i, name in enumerate(self.modules):

@@ -27,6 +27,7 @@ from api_schemas.jobs import ForwardBackward, ForwardBackwardResult, Job, JobRes
 from workers.engine.adapter_pool import Adapter, AdapterError, AdapterPool
 from workers.engine.base_model import BaseModel
 from workers.engine.errors import UserJobError, failure
+from workers.engine.full_param import FullRun, FullRuns
 from workers.engine.losses import LossOutput, compute_loss
 from workers.engine.multi_lora import Route, routed
 from workers.scheduler import JobSize
@@ -39,7 +40,7 @@ class _Item:
     job: Job
     req: ForwardBackward
     data: list[_Datum]
-    adapter: Adapter
+    adapter: Adapter | FullRun
     start: int = 0  # first row of this job in the merged batch
 
     @property
@@ -78,7 +79,7 @@ def job_size(job: Job) -> JobSize:
 class MergedPass:
     """Runs one list of forward/forward_backward jobs (distinct models) as one pass; see the module docstring."""
 
-    def __init__(self, base: BaseModel, pool: AdapterPool) -> None:
+    def __init__(self, base: BaseModel, pool: AdapterPool | FullRuns) -> None:
         self.base = base
         self.pool = pool
 
@@ -133,12 +134,12 @@ class MergedPass:
             it.start = start
             stop = start + len(it.data)
             base = it.req.base_only and it.req.forward_only  # a reference pass: the rows skip every adapter
-            routes.append(Route(None if base else it.job.model_id, start, stop))
+            routes.append(Route(None if base else it.adapter.route_id, start, stop))
             start = stop
         device = self.base.device
         grad = any(not it.forward_only for it in items)
-        dropout = {it.job.model_id: (it.adapter.spec.dropout, _generator(it.job, device))
-                   for it in items if not it.forward_only and it.adapter.spec.dropout > 0}
+        dropout = {it.job.model_id: (it.adapter.dropout, _generator(it.job, device))
+                   for it in items if not it.forward_only and it.adapter.dropout > 0}
         with torch.set_grad_enabled(grad), routed(self.base.layers, routes, dropout=dropout):
             logp = self.base.logprob_logits(torch.from_numpy(ids).to(device), torch.from_numpy(mask).to(device))
         return logp.gather(-1, torch.from_numpy(targets).to(device))

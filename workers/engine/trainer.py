@@ -34,9 +34,11 @@ from workers.checkpoints.store import CheckpointStore
 from workers.engine.adapter_pool import AdapterPool
 from workers.engine.base_model import BaseModel
 from workers.engine.errors import UserJobError, failure
+from workers.engine.full_param import FullParamError, FullRuns, is_full_checkpoint
 from workers.engine.merged import MergedPass, job_size
 from workers.engine.optim import gradient_norm, optimizer_step
 from workers.engine.paging import PagingConfig
+from workers.memory import MemoryLedger, MemoryRefused
 from workers.scheduler import JobSize
 
 __all__ = ["Trainer", "UserJobError"]
@@ -45,11 +47,16 @@ log = logging.getLogger(__name__)
 
 
 class Trainer:
-    def __init__(self, base: BaseModel, store: CheckpointStore, paging: PagingConfig | None = None) -> None:
+    def __init__(self, base: BaseModel, store: CheckpointStore, paging: PagingConfig | None = None,
+                 ledger: MemoryLedger | None = None) -> None:
         self.base = base
         self.pool = AdapterPool(base, paging)
+        self.full = FullRuns(base, ledger)  # full-parameter runs: private copies (workers/engine/full_param.py)
         self.store = store
         self._merged = MergedPass(base, self.pool)
+
+    def _pool_of(self, model_id: str) -> AdapterPool | FullRuns:
+        return self.full if model_id in self.full else self.pool
 
     @property
     def token_budget(self) -> int:
@@ -98,7 +105,12 @@ class Trainer:
             on_result(result)
 
         try:
-            self._merged.run(jobs, report)
+            full = [j for j in jobs if j.model_id in self.full]
+            lora = [j for j in jobs if j.model_id not in self.full]
+            if lora:
+                self._merged.run(lora, report)
+            for job in full:  # a run's own copy of the weights: a pass of its rows only
+                MergedPass(self.full.get(job.model_id).base, self.full).run([job], report)
         except Exception as e:  # noqa: BLE001 - a fault of the pass: its open jobs run again alone
             left = [j for j in jobs if j.job_id not in done]
             if len(jobs) == 1 or not left:
@@ -120,6 +132,13 @@ class Trainer:
     def _run(self, job: Job) -> Output:
         p = job.payload
         if isinstance(p, CreateModel):
+            if p.lora is None:
+                try:
+                    run = self.full.create(job.model_id, job.tenant_id)
+                except MemoryRefused as e:
+                    raise UserJobError(str(e)) from e
+                return ModelReady(model_id=job.model_id,
+                                  parameters={n: tuple(t.shape) for n, t in zip(run.names, run.params)})
             adapter = self.pool.create(job.model_id, p.lora, tenant_id=job.tenant_id)
             shapes = {k: tuple(v.shape) for k, v in adapter.peft_state_dict().items()}
             return ModelReady(model_id=job.model_id, parameters=shapes)
@@ -134,19 +153,30 @@ class Trainer:
             folder = self.store.existing(p.storage_key)
             if folder is None:
                 raise UserJobError("checkpoint files not found (deleted or expired)")
-            self.pool.load(job.model_id, folder, p.with_optimizer, p.create, tenant_id=job.tenant_id)
+            if is_full_checkpoint(folder):
+                try:
+                    self.full.load(job.model_id, folder, p.with_optimizer, job.tenant_id)
+                except (FullParamError, MemoryRefused) as e:
+                    raise UserJobError(str(e)) from e
+            elif job.model_id in self.full:
+                raise UserJobError("a LoRA checkpoint cannot be loaded into a full-parameter run")
+            else:
+                self.pool.load(job.model_id, folder, p.with_optimizer, p.create, tenant_id=job.tenant_id)
             return ModelReady(model_id=job.model_id)
         if isinstance(p, Skip):
             return Skipped(reason=p.reason)
         if isinstance(p, ReleaseModel):
             self.pool.drop(job.model_id)  # weights, optimizer state, gradients and any paged-out copy
+            self.full.drop(job.model_id)  # a full-parameter copy and its memory reservation
             return Released(model_id=job.model_id)
         raise UserJobError(f"unsupported job kind {p.kind}")
 
     def _save(self, model_id: str, p: SaveWeights) -> SaveResult:
-        adapter = self.pool.get(model_id)
         with self.store.writing(p.storage_key) as folder:
-            self.pool.save(adapter, folder, p.with_optimizer)
+            if model_id in self.full:
+                self.full.save(self.full.get(model_id), folder, p.with_optimizer)
+            else:
+                self.pool.save(self.pool.get(model_id), folder, p.with_optimizer)
             written = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
             if p.max_bytes is not None and written > p.max_bytes:  # raising here discards the folder
                 raise UserJobError(f"storage quota exceeded: the checkpoint needs {written} bytes, "
@@ -155,7 +185,7 @@ class Trainer:
 
     def gradients(self, model_id: str, p: Gradients) -> float:
         """The accumulated gradients' global norm (times p.grad_scale); `clear` then drops them."""
-        with self.pool.pinned([model_id]) as (adapter,):
+        with self._pool_of(model_id).pinned([model_id]) as (adapter,):
             norm = gradient_norm(adapter.params, list(adapter.grads), p.grad_scale)
             if p.action == "clear":
                 adapter.grads = [None] * len(adapter.params)
@@ -163,7 +193,7 @@ class Trainer:
 
     def optim_step(self, model_id: str, p: OptimStep) -> tuple[dict[str, float], float, int]:
         """(metrics, learning rate used, the model's optimizer steps so far) of one step of the job's optimizer."""
-        with self.pool.pinned([model_id]) as (adapter,):  # the first step creates the moments: paging sees them
+        with self._pool_of(model_id).pinned([model_id]) as (adapter,):  # the first step creates the moments
             try:  # the adapter's gradient buffers go in as they are (None: no loss reached that param, zero)
                 return optimizer_step(adapter.params, adapter.optim, p.optimizer, p.schedule,
                                       grads=list(adapter.grads), grad_scale=p.grad_scale)
