@@ -99,6 +99,7 @@ class LoadWeights(Frozen):
     storage_key: str
     with_optimizer: bool
     create: bool  # True: the model slot is created by this load (create-via-load)
+    full: bool = False  # a full-parameter run's checkpoint: a create takes a lease (server/services/full_param.py)
 
 
 class Skip(Frozen):

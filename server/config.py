@@ -92,8 +92,13 @@ class Settings(BaseSettings):
     # what one process's base models and full-parameter copies may take in memory (workers/memory.py): a model or
     # a copy beyond it is refused up front, saying what it needs. None: the memory free when it is loaded
     memory_budget_bytes: int | None = Field(None, gt=0)
+    # full-parameter training (server/services/full_param.py): the served models that offer it ("*": all), how many
+    # runs (each a private copy of the model) one model carries at once (others wait), and the lease's time limit
+    full_param_models: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    full_param_runs_per_model: int = Field(1, gt=0)
+    full_param_lease_seconds: float = Field(3600.0, gt=0)
 
-    @field_validator("base_model", "served_model_name", mode="before")
+    @field_validator("base_model", "served_model_name", "full_param_models", mode="before")
     @classmethod
     def _comma_list(cls, v: object) -> object:
         if isinstance(v, str):

@@ -154,8 +154,8 @@ class SamplerDeployment(_Replica):
         self.recent: dict[str, None] = {}  # sampling sessions served lately (insertion-ordered)
         # the torch sampler runs on a base model this replica loads once; vLLM loads the weights itself
         self.runtime = await asyncio.to_thread(_build, spec, self.queue, ("sample",))
-        self.backend = self.runtime.sampler
-        assert self.backend is not None and self.runtime.sampling is not None
+        assert self.runtime.sampling is not None
+        self.backend = self.runtime.sampling.backend  # the backend, with full-parameter checkpoints' samplers
         await self.backend.start()
         # The router consumes the queue; this worker object is used for its request handling only.
         self.worker = self.runtime.sampling

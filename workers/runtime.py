@@ -201,7 +201,9 @@ class Runtime:
         self._loops.append((dispatcher.run, dispatcher.stop))
 
     def _build_sample(self, queue: WorkerQueue) -> None:
+        from workers.sampling.base import SamplerConfig
         from workers.sampling.factory import build_sampler
+        from workers.sampling.full_checkpoints import FullCheckpointSampling
         from workers.sampling.worker import SamplerWorker
 
         spec = self.spec
@@ -211,7 +213,11 @@ class Runtime:
             max_lora_rank=spec.max_lora_rank,
             shared_base=self.base,  # one copy of the weights (workers/sampling/torch_sampler.py says why it is safe)
         )
-        self.sampling = SamplerWorker(queue, queue_name(spec.base_model, "sample"), self.sampler)
+        config = SamplerConfig(model_name=spec.base_model, model_folder=self.folder, dtype=spec.dtype,
+                               device=spec.device, max_batch_rows=spec.sampler_max_batch_rows)
+        # full-parameter checkpoints are sampled from their own weights; everything else by the backend
+        serving = FullCheckpointSampling(self.sampler, config, self.store, self.ledger)
+        self.sampling = SamplerWorker(queue, queue_name(spec.base_model, "sample"), serving)
         self._loops.append((self.sampling.run, self.sampling.stop))
 
     @classmethod

@@ -13,6 +13,7 @@ from sqlalchemy import (
     Integer,
     String,
     UniqueConstraint,
+    false,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -59,7 +60,7 @@ class SessionRow(Base):
 
 
 class ModelRow(Base):
-    """A training run: one LoRA adapter of one tenant on one base model."""
+    """A training run: one LoRA adapter (or one full-parameter copy) of one tenant on one base model."""
 
     __tablename__ = "models"
     id: Mapped[str] = mapped_column(String(128), primary_key=True)  # "{session_id}:train:{model_seq_id}"
@@ -67,7 +68,9 @@ class ModelRow(Base):
     session_id: Mapped[str] = mapped_column(ForeignKey("sessions.id"), index=True)
     model_seq_id: Mapped[int] = mapped_column(Integer)
     base_model: Mapped[str] = mapped_column(String(256))
-    lora_rank: Mapped[int] = mapped_column(Integer)
+    lora_rank: Mapped[int] = mapped_column(Integer)  # 0 for a full-parameter run
+    # a full-parameter run: a private trainable copy of the base model, on a lease (server/services/full_param.py)
+    full_param: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     seed: Mapped[int | None] = mapped_column(Integer, nullable=True)
     train_attn: Mapped[bool] = mapped_column(Boolean, default=True)
     train_mlp: Mapped[bool] = mapped_column(Boolean, default=True)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, Table, bindparam, func, or_, select, update
+from sqlalchemy import ColumnElement, Table, and_, bindparam, func, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from server.db.models import (
@@ -202,16 +202,34 @@ async def live_session_ids(s: AsyncSession, session_ids: set[str], stale_before:
     return set((await s.execute(q)).scalars().all())
 
 
-async def models_to_release(s: AsyncSession, stale_before: datetime, limit: int) -> Sequence[ModelRow]:
-    """Unreleased models whose client session has ended."""
+async def models_to_release(s: AsyncSession, stale_before: datetime, limit: int,
+                            lease_before: datetime | None = None) -> Sequence[ModelRow]:
+    """Unreleased models whose client session has ended, or (full-parameter runs) created before `lease_before`."""
+    ended: ColumnElement[bool] = session_ended(stale_before)
+    if lease_before is not None:
+        ended = or_(ended, and_(ModelRow.full_param.is_(True), ModelRow.created_at < lease_before))
     q = (
         select(ModelRow)
         .join(SessionRow, SessionRow.id == ModelRow.session_id)
-        .where(ModelRow.released_at.is_(None), session_ended(stale_before))
+        .where(ModelRow.released_at.is_(None), ended)
         .order_by(ModelRow.created_at)
         .limit(limit)
     )
     return (await s.execute(q)).scalars().all()
+
+
+async def live_full_runs(s: AsyncSession, base_model: str, stale_before: datetime, lease_before: datetime,
+                         exclude: str = "") -> int:
+    """Full-parameter runs of `base_model` (other than `exclude`) holding a lease: not released, their session
+    live, created after `lease_before`."""
+    q = (
+        select(func.count())
+        .select_from(ModelRow)
+        .join(SessionRow, SessionRow.id == ModelRow.session_id)
+        .where(ModelRow.full_param.is_(True), ModelRow.base_model == base_model, ModelRow.id != exclude,
+               ModelRow.released_at.is_(None), ~session_ended(stale_before), ModelRow.created_at >= lease_before)
+    )
+    return int((await s.execute(q)).scalar_one())
 
 
 async def mark_released(s: AsyncSession, model_id: str, when: datetime) -> None:

@@ -3,6 +3,8 @@ retrieve_futures (long-poll the completions of a sampling session) and cancel_fu
 
 from __future__ import annotations
 
+from typing import Literal
+
 import json
 from dataclasses import dataclass
 
@@ -21,6 +23,7 @@ from server.services import checkpoints as ckpt
 from server.services import custom_losses
 from server.services import jobs
 from server.services.context import Context
+from server.services.full_param import LEASE_REASON
 from server.services.jobs import feed_name
 
 @dataclass(frozen=True)
@@ -40,8 +43,10 @@ async def retrieve(ctx: Context, tenant_id: str, request_id: str, accept: str | 
     result = await jobs.wait_result(ctx, request_id, ctx.settings.long_poll_seconds)
     if result is None:
         reason = jobs.paused_reason(ctx, request_id)
+        state: Literal["paused_capacity", "paused_rate_limit"] = (
+            "paused_capacity" if reason is not None and reason.startswith(LEASE_REASON) else "paused_rate_limit")
         pending = TryAgain(request_id=request_id) if reason is None else TryAgain(
-            request_id=request_id, queue_state="paused_rate_limit", queue_state_reason=reason)
+            request_id=request_id, queue_state=state, queue_state_reason=reason)
         return _json(pending.model_dump(exclude_none=True))
     ctx.recent.get(request_id, delivered=True)
     saved = None

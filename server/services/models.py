@@ -18,7 +18,7 @@ from api_schemas.tinker.types import (
 from server.db import repositories as repo
 from server.db.models import ModelRow
 from server.errors import BadRequest, Gone, NotFound
-from server.services import jobs
+from server.services import full_param, jobs
 from server.services.context import Context
 from server.services.sessions import live_session
 
@@ -41,12 +41,16 @@ async def owned_model(ctx: Context, tenant_id: str, model_id: str) -> ModelRow:
     if row is None or row.tenant_id != tenant_id:
         raise NotFound(f"model {model_id} not found")
     if row.released_at is not None:
-        raise Gone(f"model {model_id} was released when its session ended; its saved checkpoints remain "
+        why = "its session ended or its full-parameter lease ran out" if row.full_param else "its session ended"
+        raise Gone(f"model {model_id} was released when {why}; its saved checkpoints remain "
                    "(create_training_client_from_state continues from one)")
     return row
 
 
-def lora_spec(row: ModelRow) -> LoraSpec:
+def lora_spec(row: ModelRow) -> LoraSpec | None:
+    """The run's LoRA, or None for a full-parameter run."""
+    if row.full_param:
+        return None
     return LoraSpec(
         rank=row.lora_rank, seed=row.seed, train_attn=row.train_attn, train_mlp=row.train_mlp,
         train_unembed=row.train_unembed,
@@ -57,12 +61,11 @@ async def create_model(ctx: Context, tenant_id: str, req: CreateModelRequest) ->
     served = ctx.served(req.base_model)
     await live_session(ctx, tenant_id, req.session_id)
     lora = req.lora_config
-    if lora is None:  # twinkle-kit's create_full_training_client
-        raise BadRequest("lora_config is null: full-parameter training is not offered yet by this server; "
-                         "create a LoRA training client (lora_config with a rank)")
-    if lora.rank > ctx.settings.max_lora_rank:
+    if lora is None:  # twinkle-kit's create_full_training_client: a full-parameter run, on a lease
+        full_param.require_offered(ctx.settings, served.name)
+    elif lora.rank > ctx.settings.max_lora_rank:
         raise BadRequest(f"lora rank {lora.rank} exceeds this server's maximum {ctx.settings.max_lora_rank}")
-    if not (lora.train_attn or lora.train_mlp or lora.train_unembed):
+    if lora is not None and not (lora.train_attn or lora.train_mlp or lora.train_unembed):
         raise BadRequest("at least one of train_attn, train_mlp, train_unembed must be true")
     if req.optimizer_config.type not in SUPPORTED_OPTIMIZERS:
         raise BadRequest(
@@ -78,9 +81,10 @@ async def create_model(ctx: Context, tenant_id: str, req: CreateModelRequest) ->
         row = ModelRow(
             id=model_id, tenant_id=tenant_id, session_id=req.session_id, model_seq_id=req.model_seq_id,
             # "None means random" (SDK docs): draw it here and keep it, so a rebuild gives the same init
-            base_model=served.name, lora_rank=lora.rank,
-            seed=lora.seed if lora.seed is not None else secrets.randbelow(2**31), train_attn=lora.train_attn,
-            train_mlp=lora.train_mlp, train_unembed=lora.train_unembed, optimizer=req.optimizer_config.type,
+            base_model=served.name, lora_rank=lora.rank if lora else 0, full_param=lora is None,
+            seed=lora.seed if lora and lora.seed is not None else secrets.randbelow(2**31),
+            train_attn=lora.train_attn if lora else True, train_mlp=lora.train_mlp if lora else True,
+            train_unembed=lora.train_unembed if lora else True, optimizer=req.optimizer_config.type,
             create_request_id=str(uuid.uuid4()), user_metadata=req.user_metadata or {},
         )
         await repo.add(s, row)
@@ -99,8 +103,8 @@ async def get_info(ctx: Context, tenant_id: str, model_id: str) -> GetInfoRespon
         model_id=row.id,
         model_data=ModelData(arch=served.arch, model_name=served.name, tokenizer_id=served.tokenizer_id),
         optimizer_config={"type": row.optimizer},
-        is_lora=True,
-        lora_rank=row.lora_rank,
+        is_lora=not row.full_param,
+        lora_rank=None if row.full_param else row.lora_rank,
         model_name=served.name,
     )
 

@@ -36,6 +36,7 @@ from api_schemas.jobs import (
 from jobqueue.base import DuplicateJobMismatch, GatewayQueue, JobInfo, cancelled_result
 from server.auth.rate_limits import TokenBucket
 from server.errors import DomainError
+from server.services.full_param import creates_full_run, lease_wait_reason
 from server.services.tenant_limits import Limits, TenantLimits
 
 RECHECK_SECONDS = 2.0  # a held create (models limit) or a request waiting for a slot is looked at again this often
@@ -180,6 +181,13 @@ class Admission:
     async def _verdict(self, job: Job, limits: Limits, tokens: int) -> tuple[float | None, str]:
         """(None, "") when the job may go now, else (seconds until it may be worth another look, why not)."""
         tenant, now = job.tenant_id, time.monotonic()
+        if creates_full_run(job):  # the model's full-parameter lease (server/services/full_param.py)
+            cap = self.limits.settings.full_param_runs_per_model
+            others = sum(1 for h in self._held.values() if creates_full_run(h.job) and h.job.job_id != job.job_id
+                         and h.job.base_model == job.base_model)
+            live = await self.limits.live_full_runs(job.base_model, exclude=job.model_id) - others
+            if live + 1 > cap:
+                return RECHECK_SECONDS, lease_wait_reason(job.base_model, live, cap)
         if limits.max_models is not None and _creates(job):
             others = sum(1 for h in self._held.values()
                          if h.job.tenant_id == tenant and _creates(h.job) and h.job.job_id != job.job_id)

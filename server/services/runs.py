@@ -51,8 +51,8 @@ async def _to_wire(ctx: Context, row: ModelRow, viewer: str) -> TrainingRun:
     last_request = ckpt.aware(row.last_request_at) or ckpt.aware(row.created_at)
     assert last_request is not None
     return TrainingRun(
-        training_run_id=row.id, base_model=row.base_model, model_owner=owner_urn(row.tenant_id), is_lora=True,
-        lora_rank=row.lora_rank, last_request_time=last_request,
+        training_run_id=row.id, base_model=row.base_model, model_owner=owner_urn(row.tenant_id),
+        is_lora=not row.full_param, lora_rank=None if row.full_param else row.lora_rank, last_request_time=last_request,
         last_checkpoint=ckpt.to_wire(last) if last is not None else None,
         last_sampler_checkpoint=ckpt.to_wire(last_sampler) if last_sampler is not None else None,
         user_metadata=owner_view or None,
@@ -85,7 +85,8 @@ async def weights_info(ctx: Context, tenant_id: str, tinker_path: str) -> Weight
     if run is None:
         raise NotFound(f"checkpoint {tinker_path} not found")
     return WeightsInfoResponse(
-        base_model=run.base_model, is_lora=True, lora_rank=run.lora_rank, optimizer_config={"type": run.optimizer},
+        base_model=run.base_model, is_lora=not run.full_param,
+        lora_rank=None if run.full_param else run.lora_rank, optimizer_config={"type": run.optimizer},
         train_unembed=run.train_unembed, train_mlp=run.train_mlp, train_attn=run.train_attn,
     )
 
@@ -127,9 +128,9 @@ async def copy_weights(ctx: Context, tenant_id: str, req: CopyWeightsRequest, id
             await s.flush()
         await repo.add(s, ModelRow(
             id=model_id, tenant_id=tenant_id, session_id=session_id, model_seq_id=seq, base_model=origin.base_model,
-            lora_rank=origin.lora_rank, seed=origin.seed, train_attn=origin.train_attn, train_mlp=origin.train_mlp,
-            train_unembed=origin.train_unembed, optimizer=origin.optimizer, create_request_id="",
-            user_metadata={"copied_from": req.source_path},
+            lora_rank=origin.lora_rank, full_param=origin.full_param, seed=origin.seed, train_attn=origin.train_attn,
+            train_mlp=origin.train_mlp, train_unembed=origin.train_unembed, optimizer=origin.optimizer,
+            create_request_id="", user_metadata={"copied_from": req.source_path},
         ))
         await repo.add(s, CheckpointRow(
             tenant_id=tenant_id, model_id=model_id, kind=source.kind, name=source.name, storage_key=key,

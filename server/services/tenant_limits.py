@@ -47,6 +47,7 @@ class TenantLimits:
         self.defaults = Limits.defaults(settings)
         self.ttl = settings.quota_cache_seconds
         self.session_timeout = settings.session_timeout_seconds
+        self.settings = settings
         self.db: Database | None = None
         self._cache: dict[str, tuple[float, Limits]] = {}
 
@@ -80,6 +81,16 @@ class TenantLimits:
         async with self.db.session() as s:
             after = utcnow() - timedelta(seconds=self.session_timeout)
             return await quota_repo.live_models(s, tenant_id, after, exclude)
+
+
+    async def live_full_runs(self, base_model: str, exclude: str = "") -> int:
+        """Full-parameter runs holding a lease on `base_model` (server/services/full_param.py), other than `exclude`."""
+        if self.db is None:
+            return 0
+        async with self.db.session() as s:
+            after = utcnow() - timedelta(seconds=self.session_timeout)
+            lease = utcnow() - timedelta(seconds=self.settings.full_param_lease_seconds)
+            return await repo.live_full_runs(s, base_model, after, lease, exclude)
 
 
 async def resident_adapter_limits(db: Database) -> dict[str, int]:

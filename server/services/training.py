@@ -31,6 +31,7 @@ from server.errors import BadRequest, PayloadTooLarge
 from server.services import checkpoints as ckpt
 from server.services import custom_losses
 from server.services import jobs
+from server.services import full_param
 from server.services import sampling
 from server.services.context import Context
 from server.services.jobs import queue_op
@@ -223,8 +224,12 @@ async def _create_via_load(ctx: Context, tenant_id: str, req: LoadWeightsRequest
         assert origin is not None
         if req.base_model is not None and req.base_model != origin.base_model:
             raise BadRequest(f"checkpoint was trained on {origin.base_model}, not {req.base_model}")
+        if origin.full_param:  # a full-parameter run comes back on a lease of its own
+            full_param.require_offered(ctx.settings, origin.base_model)
+            payload = payload.model_copy(update={"full": True})
         row = ModelRow(
             id=model_id, tenant_id=tenant_id, session_id=req.session_id, model_seq_id=req.model_seq_id,
+            full_param=origin.full_param,
             base_model=origin.base_model, lora_rank=origin.lora_rank, seed=origin.seed, train_attn=origin.train_attn,
             train_mlp=origin.train_mlp, train_unembed=origin.train_unembed, optimizer=origin.optimizer,
             create_request_id="", user_metadata=req.user_metadata or {},

@@ -120,7 +120,7 @@ def test_what_twinkle_kit_adds_bearer_keys_twinkle_paths_full_training(compat_se
     bearer = {"Authorization": f"Bearer {key}", **routing}
     r = _post(srv, "create_model", {"session_id": session, "model_seq_id": 0, "base_model": srv.base_model,
                                     "lora_config": None}, bearer)
-    assert r.status_code == 400 and "full-parameter training is not offered yet" in r.json()["detail"], r.text
+    assert r.status_code == 400 and "full-parameter training is not enabled for base model" in r.json()["detail"], r.text
     assert _post(srv, "create_session", {"tags": []}, {"Authorization": "Bearer tml-wrong"}).status_code == 401
 
     sc = tinker.ServiceClient(base_url=srv.base_url, api_key=key, default_headers=bearer)

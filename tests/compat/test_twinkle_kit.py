@@ -45,5 +45,5 @@ def test_training_and_sampling_under_twinkle_kits_patch(compat_server: ServerPro
     resumed = sc.create_training_client_from_state(state.replace("tinker://", "twinkle://"))
     assert resumed.forward(data, "cross_entropy").result().metrics["loss:sum"] > 0
 
-    with pytest.raises(tinker.BadRequestError, match="full-parameter training is not offered yet"):
+    with pytest.raises(tinker.BadRequestError, match="full-parameter training is not enabled for base model"):
         sc.create_full_training_client(base_model=srv.base_model)  # type: ignore[attr-defined]

@@ -128,9 +128,10 @@ async def release_unused(ctx: Context, adapter: Adapter) -> None:
         await jobs.queue_skip(ctx, adapter.model.tenant_id, adapter.model, seq, "the operation queued no job")
 
 
-async def create(ctx: Context, tenant_id: str, session: SessionRow, base_model: str, name: str, lora: LoraSpec,
-                 gas: int) -> Adapter:
-    """A new adapter of `session` (its model created on the worker before this returns)."""
+async def create(ctx: Context, tenant_id: str, session: SessionRow, base_model: str, name: str,
+                 lora: LoraSpec | None, gas: int) -> Adapter:
+    """A new adapter of `session` (its model created on the worker before this returns); `lora` None: a
+    full-parameter run (held while the model's lease is taken: this waits for it, server/services/full_param.py)."""
     served = ctx.served(base_model)
     async with ctx.db.session() as s:
         if await repo.native_adapter(s, tenant_id, session.id, name) is not None:
@@ -138,20 +139,22 @@ async def create(ctx: Context, tenant_id: str, session: SessionRow, base_model: 
         taken = await repo.count_session_models(s, session.id)
         if taken >= MAX_ADAPTERS_PER_SESSION:
             raise BadRequest(f"a session holds at most {MAX_ADAPTERS_PER_SESSION} adapters")
-        seed = lora.seed if lora.seed is not None else secrets.randbelow(2**31)
+        seed = lora.seed if lora is not None and lora.seed is not None else secrets.randbelow(2**31)
         model = ModelRow(
             id=model_id_for(session.id, taken), tenant_id=tenant_id, session_id=session.id, model_seq_id=taken,
-            base_model=served.name, lora_rank=lora.rank, seed=seed, train_attn=True, train_mlp=True,
+            base_model=served.name, lora_rank=lora.rank if lora else 0, full_param=lora is None, seed=seed,
+            train_attn=True, train_mlp=True,
             train_unembed=False, optimizer="adamw", create_request_id=str(uuid.uuid4()), user_metadata={},
         )
         await repo.add(s, model)
         row = NativeAdapterRow(model_id=model.id, tenant_id=tenant_id, session_id=session.id, adapter_name=name,
-                               next_seq=1, settings={**DEFAULT_SETTINGS, "gas": gas, "lora": lora.model_dump()},
+                               next_seq=1, settings={**DEFAULT_SETTINGS, "gas": gas,
+                                                     "lora": lora.model_dump() if lora else None},
                                progress=fresh_progress())
         await repo.add(s, row)
         model.create_request_id = await jobs.queue_train(
             ctx, tenant_id=tenant_id, base_model=served.name, model_id=model.id, seq_id=0,
-            payload=CreateModel(lora=lora.model_copy(update={"seed": seed})))
+            payload=CreateModel(lora=lora.model_copy(update={"seed": seed}) if lora else None))
     adapter = Adapter(model, name, copy.deepcopy(row.settings), copy.deepcopy(row.progress))
     ready = await wait_output(ctx, model.create_request_id)
     if isinstance(ready, ModelReady) and ready.parameters is not None:
@@ -160,8 +163,10 @@ async def create(ctx: Context, tenant_id: str, session: SessionRow, base_model: 
     return adapter
 
 
-def lora_of(adapter: Adapter) -> LoraSpec:
-    return LoraSpec.model_validate(adapter.settings["lora"])
+def lora_of(adapter: Adapter) -> LoraSpec | None:
+    """The adapter's LoRA, None for a full-parameter run."""
+    lora = adapter.settings.get("lora")
+    return None if lora is None else LoraSpec.model_validate(lora)
 
 
 @asynccontextmanager

@@ -14,6 +14,7 @@ from typing import Any
 from api_schemas.native.components import ComponentError, Slot, resolve
 from api_schemas.native.lora import LoraConfigError, parse_lora_config
 from server.errors import BadRequest
+from server.services import full_param
 from server.services.context import Context
 from server.services.native import adapters
 from server.services.native.adapters import Adapter, save_state
@@ -34,9 +35,8 @@ async def add_adapter(ctx: Context, tenant_id: str, session_id: str | None, base
     session = await adapters.native_session(ctx, tenant_id, session_id)
     name = adapters.check_adapter_name(adapter_name)
     ctx.served(base_model)
-    if config is None:
-        raise BadRequest("config is null: full-parameter training is not offered by this server; "
-                         "pass a LoraConfig")
+    if config is None:  # a full-parameter run, where the operator offers it (server/services/full_param.py)
+        full_param.require_offered(ctx.settings, base_model)
     gas = kwargs.pop("gradient_accumulation_steps", 1)
     if not isinstance(gas, int) or isinstance(gas, bool) or not 1 <= gas <= 10_000:
         raise BadRequest("gradient_accumulation_steps must be an integer from 1 to 10000")
@@ -44,10 +44,12 @@ async def add_adapter(ctx: Context, tenant_id: str, session_id: str | None, base
     if kwargs:
         raise BadRequest(f"unknown arguments {sorted(kwargs)}; accepted: config, gradient_accumulation_steps, "
                          "save_dir (ignored)")
-    try:
-        lora = parse_lora_config(config, ctx.settings.max_lora_rank, secrets.randbelow(2**31))
-    except LoraConfigError as e:
-        raise BadRequest(str(e)) from None
+    lora = None
+    if config is not None:
+        try:
+            lora = parse_lora_config(config, ctx.settings.max_lora_rank, secrets.randbelow(2**31))
+        except LoraConfigError as e:
+            raise BadRequest(str(e)) from None
     return await adapters.create(ctx, tenant_id, session, base_model, name, lora, gas)
 
 
@@ -89,7 +91,8 @@ def train_configs(adapter: Adapter) -> str:
     s = adapter.settings
     lines = [
         f"adapter: {adapter.name} (training run {adapter.model.id}) on {adapter.model.base_model}",
-        f"lora: r={lora.rank} alpha={lora.alpha} rslora={lora.rslora} target_modules={list(lora.modules or [])}",
+        (f"lora: r={lora.rank} alpha={lora.alpha} rslora={lora.rslora} target_modules={list(lora.modules or [])}"
+         if lora is not None else "full-parameter training (every weight of a private copy of the base model)"),
         f"loss: {json.dumps(s.get('loss'))}",
         f"optimizer: {json.dumps(s.get('optimizer'))}",
         f"lr_scheduler: {json.dumps(s.get('scheduler'))}",
