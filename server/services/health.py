@@ -21,7 +21,7 @@ _TIMEOUT = 2.0
 
 
 async def readiness(ctx: Context) -> Readiness:
-    checks = [await _database(ctx), _models(ctx)]
+    checks = [await _database(ctx)]
     deployments: list[DeploymentReport] = []
     try:
         health = await asyncio.wait_for(ctx.queue.health(), 2 * _TIMEOUT)
@@ -35,6 +35,7 @@ async def readiness(ctx: Context) -> Readiness:
                              ok=d.ready)
             for d in health.deployments
         ]
+    checks.append(_models(ctx))
     ready = all(c.ok for c in checks) and all(d.ok for d in deployments)
     return Readiness(ready=ready, checks=checks, deployments=deployments)
 

@@ -125,7 +125,7 @@ def test_readyz_follows_declared_deployments_and_heartbeats(redis_url: str, pref
         by_name = {d["name"]: d for d in body["deployments"]}
         assert by_name["trainer-m"]["live_replicas"] == 0 and not by_name["trainer-m"]["ok"]
         assert by_name["hub-pusher"]["ok"] and {c["name"]: c["ok"] for c in body["checks"]} == {
-            "database": True, "queue": True}
+            "database": True, "queue": True, "models": True}
         asyncio.run(beat_trainer())
         r = http.get("/readyz")
         assert r.status_code == 200 and r.json()["ready"], r.text
