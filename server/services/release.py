@@ -13,11 +13,12 @@ run back as a new model.
 from __future__ import annotations
 
 import logging
-from datetime import datetime, timedelta, timezone
+from datetime import timedelta
 
 from api_schemas.jobs import RELEASE_SEQ, ReleaseModel
 from server.db import repositories as repo
 from server.db.models import utcnow
+from server.services import checkpoints as ckpt
 from server.services import full_param, jobs
 from server.services.context import Context
 
@@ -28,11 +29,6 @@ REASON = "its client session ended"
 LEASE_ENDED = "its full-parameter lease reached its time limit"
 
 
-def _aware(when: datetime) -> datetime:
-    """SQLite hands back naive datetimes (stored as UTC)."""
-    return when if when.tzinfo is not None else when.replace(tzinfo=timezone.utc)
-
-
 async def release_ended_models(ctx: Context) -> int:
     """Queue the release of every model whose session ended; returns how many were released."""
     stale_before = utcnow() - timedelta(seconds=ctx.settings.session_timeout_seconds)
@@ -41,7 +37,8 @@ async def release_ended_models(ctx: Context) -> int:
         rows = await repo.models_to_release(s, stale_before, RELEASE_BATCH, lease_before)
     released = 0
     for row in rows:
-        reason = LEASE_ENDED if row.full_param and _aware(row.created_at) < lease_before else REASON
+        started = ckpt.aware(row.created_at)
+        reason = LEASE_ENDED if row.full_param and started is not None and started < lease_before else REASON
         try:
             # Queued first (idempotent: the same dedup key and payload every round), marked second: a gateway that
             # dies in between queues it again next round and gets the same job back.

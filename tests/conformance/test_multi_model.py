@@ -6,6 +6,7 @@ message naming it, or, with --skip-failed-models, is left out and reported by /r
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -15,10 +16,10 @@ import httpx
 import numpy as np
 import pytest
 import tinker
-import torch
 from tinker import types
 
 from tests.support.process import free_port, quiet_env
+from tests.support.peft_check import assert_logprobs_match_peft
 from tests.support.server import ServerProcess
 from tests.support.tiny_model import build_tiny_model
 
@@ -73,13 +74,12 @@ def test_capabilities_list_both_by_served_name(two_models: ServerProcess) -> Non
 
 
 def test_each_tenant_trains_its_own_model_and_logprobs_match_transformers(two_models: ServerProcess) -> None:
-    peft = pytest.importorskip("peft")
-    from transformers import AutoModelForCausalLM
+    pytest.importorskip("peft")
 
     folders: dict[str, Path] = two_models.folders  # type: ignore[attr-defined]
     keys = (two_models.api_key_a, two_models.api_key_b)  # type: ignore[attr-defined]
     for name, key, seed in zip(NAMES, keys, (1, 2)):
-        vocab = int(AutoModelForCausalLM.from_pretrained(folders[name]).config.vocab_size)
+        vocab = int(json.loads((folders[name] / "config.json").read_text())["vocab_size"])
         data = _batch(vocab, seed)
         with tinker.ServiceClient(base_url=two_models.base_url, api_key=key) as sc:
             tc = sc.create_lora_training_client(base_model=name, rank=4, seed=seed).result()
@@ -92,16 +92,7 @@ def test_each_tenant_trains_its_own_model_and_logprobs_match_transformers(two_mo
             path = tc.save_weights_for_sampler(f"check-{name}").result().path
         run_id, kind, ckpt = path.removeprefix("tinker://").split("/")
         (folder,) = two_models.data_dir.glob(f"checkpoints/*/{run_id}/{kind}/{ckpt}")
-        base = AutoModelForCausalLM.from_pretrained(str(folders[name]), dtype=torch.float32)
-        model = peft.PeftModel.from_pretrained(base, str(folder)).eval()
-        for datum, out in zip(data, fwd.loss_fn_outputs):
-            ids = torch.tensor([datum.model_input.to_ints()])
-            targets = torch.tensor(datum.loss_fn_inputs["target_tokens"].tolist())
-            with torch.no_grad():
-                logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), dim=-1)
-            expected = logp.gather(-1, targets[:, None])[:, 0]
-            got = torch.tensor(out["logprobs"].tolist())
-            assert torch.allclose(got, expected, atol=1e-4), (name, (got - expected).abs().max())
+        assert_logprobs_match_peft(folders[name], folder, data, fwd.loss_fn_outputs)
 
 
 def test_unserved_model_is_a_404_naming_the_served_ones(two_models: ServerProcess) -> None:

@@ -13,15 +13,14 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 import tinker
-import torch
 
 from tests.conformance.rest_support import batch, rest, status_of, trained_client
+from tests.support.peft_check import assert_logprobs_match_peft
 from tests.support.server import ServerProcess
 
 
 def test_external_weights_download_loads_in_peft(server: ServerProcess, tmp_path: Path) -> None:
-    peft = pytest.importorskip("peft")
-    from transformers import AutoModelForCausalLM
+    pytest.importorskip("peft")
 
     data = batch(11)
     with tinker.ServiceClient(base_url=server.base_url, api_key=server.api_key_a) as sc:
@@ -45,16 +44,7 @@ def test_external_weights_download_loads_in_peft(server: ServerProcess, tmp_path
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(resp.content)
 
-    base = AutoModelForCausalLM.from_pretrained(server.base_model, dtype=torch.float32)
-    model = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
-    for datum, out in zip(data, fwd.loss_fn_outputs):
-        ids = torch.tensor([datum.model_input.to_ints()])
-        targets = torch.tensor(datum.loss_fn_inputs["target_tokens"].tolist())
-        with torch.no_grad():
-            logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), dim=-1)
-        expected = logp.gather(-1, targets[:, None])[:, 0]
-        got = torch.tensor(out["logprobs"].tolist())
-        assert torch.allclose(got, expected, atol=1e-4), (got - expected).abs().max()
+    assert_logprobs_match_peft(server.base_model, tmp_path / "adapter", data, fwd.loss_fn_outputs)
 
     url = signed.urls["adapter_config.json"]
     rc.delete_checkpoint_from_tinker_path(saved.path).result()

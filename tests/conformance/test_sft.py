@@ -7,9 +7,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tinker
-import torch
 from tinker import types
 
+from tests.support.peft_check import assert_logprobs_match_peft
 from tests.support.server import ServerProcess
 
 
@@ -42,8 +42,7 @@ def test_sft_loop_lowers_loss(server: ServerProcess) -> None:
 
 
 def test_forward_logprobs_match_peft(server: ServerProcess) -> None:
-    peft = pytest.importorskip("peft")
-    from transformers import AutoModelForCausalLM
+    pytest.importorskip("peft")
 
     data = batch()
     with tinker.ServiceClient(base_url=server.base_url, api_key=server.api_key_a) as sc:
@@ -56,16 +55,7 @@ def test_forward_logprobs_match_peft(server: ServerProcess) -> None:
     run_id, kind, name = path.removeprefix("tinker://").split("/")
     folders = list(server.data_dir.glob(f"checkpoints/*/{run_id}/{kind}/{name}"))
     assert len(folders) == 1, folders
-    base = AutoModelForCausalLM.from_pretrained(server.base_model, dtype=torch.float32)
-    model = peft.PeftModel.from_pretrained(base, str(folders[0])).eval()
-    for datum, out in zip(data, fwd.loss_fn_outputs):
-        ids = torch.tensor([datum.model_input.to_ints()])
-        targets = torch.tensor(datum.loss_fn_inputs["target_tokens"].tolist())
-        with torch.no_grad():
-            logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), dim=-1)
-        expected = logp.gather(-1, targets[:, None])[:, 0]
-        got = torch.tensor(out["logprobs"].tolist())
-        assert torch.allclose(got, expected, atol=1e-4), (got - expected).abs().max()
+    assert_logprobs_match_peft(server.base_model, folders[0], data, fwd.loss_fn_outputs)
 
 
 def test_tokenizer_loads_offline_and_lora_targets_follow_config(server: ServerProcess) -> None:

@@ -26,6 +26,16 @@ _STATE_FILE = "twinkle_state.json"
 _OPTIM_FILE = "optimizer.safetensors"
 
 
+def accumulate_grads(held: list[torch.Tensor | None], grads: tuple[torch.Tensor, ...]) -> None:
+    """Add a pass's gradients (fresh tensors the caller hands over) to the accumulated ones, in place."""
+    present = [i for i, g in enumerate(held) if g is not None]
+    if present:  # one fused add for every buffer that already holds a gradient
+        torch._foreach_add_([held[i] for i in present], [grads[i].detach() for i in present])  # type: ignore[misc]
+    for i, g in enumerate(grads):
+        if held[i] is None:
+            held[i] = g.detach()
+
+
 class AdapterError(ValueError):
     """A user-caused adapter problem (unknown model, incompatible checkpoint)."""
 
@@ -123,13 +133,7 @@ class AdapterPool:
             self.pager.forget(adapter)
 
     def accumulate(self, adapter: Adapter, grads: tuple[torch.Tensor, ...]) -> None:
-        """Add a pass's gradients (fresh tensors the caller hands over) to the adapter's accumulated ones."""
-        held = [i for i, g in enumerate(adapter.grads) if g is not None]
-        if held:  # one fused add for every buffer that already holds a gradient
-            torch._foreach_add_([adapter.grads[i] for i in held], [grads[i].detach() for i in held])  # type: ignore[misc]
-        for i, g in enumerate(grads):
-            if adapter.grads[i] is None:
-                adapter.grads[i] = g.detach()
+        accumulate_grads(adapter.grads, grads)
 
     # --- checkpoint I/O: PEFT adapter folder, plus optimizer state for training checkpoints ---
 

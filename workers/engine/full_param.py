@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from workers.engine.adapter_pool import accumulate_grads
 from workers.engine.base_model import BaseModel
 from workers.engine.optim_state import OptimState
 from workers.memory import MemoryLedger, full_copy_bytes
@@ -124,9 +125,7 @@ class FullRuns:
         yield [self.get(m) for m in model_ids]
 
     def accumulate(self, run: FullRun, grads: tuple[torch.Tensor, ...]) -> None:
-        for i, g in enumerate(grads):
-            held = run.grads[i]
-            run.grads[i] = g.detach() if held is None else held.add_(g.detach())
+        accumulate_grads(run.grads, grads)
 
     # --- checkpoints: a Hugging Face folder plus twinkle's state ---
 
