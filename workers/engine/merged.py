@@ -28,6 +28,7 @@ from workers.engine.adapter_pool import Adapter, AdapterError, AdapterPool
 from workers.engine.base_model import BaseModel
 from workers.engine.errors import UserJobError, failure
 from workers.engine.full_param import FullRun, FullRuns
+from workers.engine.head_logprobs import target_logprobs
 from workers.engine.losses import LossOutput, compute_loss
 from workers.engine.multi_lora import Route, routed
 from workers.scheduler import JobSize
@@ -41,7 +42,7 @@ class _Item:
     req: ForwardBackward
     data: list[_Datum]
     adapter: Adapter | FullRun
-    start: int = 0  # first row of this job in the merged batch
+    offset: int = 0  # this job's first position in the pass's flat log-probs (MergedPass._forward)
 
     @property
     def forward_only(self) -> bool:
@@ -116,9 +117,9 @@ class MergedPass:
                 self._backward(trained, on_result)
 
     def _forward(self, items: list[_Item]) -> torch.Tensor:
-        """Log-probs of every datum's target tokens, shape (rows, width, targets per position), taken with ONE
-        gather over the whole pass: backward then builds one vocabulary-wide gradient for the pass, where a slice
-        of the (rows, width, vocab) log-probs per datum would build one per datum (jobs x tokens x vocab)."""
+        """Log-probs of every datum's target tokens at its real positions, (positions, targets per position), datums
+        in pass order, taken in ONE head pass (workers/engine/head_logprobs.py: chunked, never the whole pass's
+        (positions x vocab) at once), so backward builds the head's gradient once for the pass, not once per datum."""
         datums = [d for it in items for d in it.data]
         width = max(len(d.tokens) for d in datums)
         per_position = [_targets(d) for d in datums]
@@ -128,10 +129,11 @@ class MergedPass:
         for i, (d, t) in enumerate(zip(datums, per_position)):
             ids[i, : len(d.tokens)] = d.tokens
             mask[i, : len(d.tokens)] = 1
-            targets[i, : len(d.tokens), : t.shape[1]] = t  # padding picks token 0, never read
-        routes, start = [], 0
+            targets[i, : len(d.tokens), : t.shape[1]] = t  # fewer targets at a position: token 0, never read
+        routes, start, offset = [], 0, 0
         for it in items:
-            it.start = start
+            it.offset = offset
+            offset += sum(len(d.tokens) for d in it.data)
             stop = start + len(it.data)
             base = it.req.base_only and it.req.forward_only  # a reference pass: the rows skip every adapter
             routes.append(Route(None if base else it.adapter.route_id, start, stop))
@@ -141,17 +143,19 @@ class MergedPass:
         dropout = {it.job.model_id: (it.adapter.dropout, _generator(it.job, device))
                    for it in items if not it.forward_only and it.adapter.dropout > 0}
         with torch.set_grad_enabled(grad), routed(self.base.layers, routes, dropout=dropout):
-            logp = self.base.logprob_logits(torch.from_numpy(ids).to(device), torch.from_numpy(mask).to(device))
-        return logp.gather(-1, torch.from_numpy(targets).to(device))
+            return target_logprobs(self.base.model, torch.from_numpy(ids).to(device),
+                                   torch.from_numpy(mask).to(device), torch.from_numpy(targets).to(device))
 
     def _loss(self, it: _Item, picked: torch.Tensor) -> LossOutput:
         device = picked.device
         lps, inputs = [], []
-        for i, d in enumerate(it.data):
+        offset = it.offset
+        for d in it.data:
             tensors = {k: torch.from_numpy(np.ascontiguousarray(v)).to(device) for k, v in d.inputs.items()}
             targets = tensors["target_tokens"]
             n = len(d.tokens)
-            lp = picked[it.start + i, :n, : targets.numel() // n].reshape(targets.shape)
+            lp = picked[offset : offset + n, : targets.numel() // n].reshape(targets.shape)
+            offset += n
             # a forward-only job's loss builds no graph, whoever shares the pass (a custom loss runs its own backward)
             lps.append(lp.detach() if it.forward_only else lp)
             inputs.append({k: (v.to(picked.dtype) if v.is_floating_point() else v) for k, v in tensors.items()})

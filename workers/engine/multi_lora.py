@@ -186,6 +186,20 @@ class _Routing:
             flat[r.start * per_row : r.stop * per_row].addmm_(xs @ a[aid].t(), b[aid].t(), alpha=scales[aid])
         return y
 
+    def low_rank(self, layer: LoraLinear, x: torch.Tensor) -> list[tuple[Route, torch.Tensor, torch.Tensor]]:
+        """The layer's LoRA term left unexpanded, per routed range that has one: (range, dropout(x[rows]) @ A^T *
+        scale, B), so a caller can add `low @ B^T` itself (the chunked head, workers/engine/head_logprobs.py)."""
+        a, b, scales = (layer.lora_A, layer.lora_B, layer.scale) if self.frozen is None else \
+            self.frozen.weights.get(layer, _NO_ADAPTERS)
+        present = [r for r in self.routes if r.adapter_id in a]
+        if self.dropout and torch.is_grad_enabled():
+            x = self._dropped(x, present)
+        terms = []
+        for r in present:
+            aid = cast(str, r.adapter_id)
+            terms.append((r, (x[r.start : r.stop] @ a[aid].t()) * scales[aid], b[aid]))
+        return terms
+
     def _dropped(self, x: torch.Tensor, present: list[Route]) -> torch.Tensor:
         """`x` with the rows of dropout adapters dropped out (kept ones scaled by 1 / (1 - p)); the base layer has
         already read the original."""
@@ -266,6 +280,12 @@ def _grouped(a: torch.Tensor, b: torch.Tensor, layout: _Layout, x: torch.Tensor,
 
 
 _local = threading.local()
+
+
+def head_terms(layer: LoraLinear, x: torch.Tensor) -> list[tuple[Route, torch.Tensor, torch.Tensor]]:
+    """The calling thread's routed LoRA terms of `layer` on input `x`, unexpanded (see _Routing.low_rank)."""
+    routing: _Routing | None = getattr(_local, "routing", None)
+    return [] if routing is None else routing.low_rank(layer, x)
 
 
 def pad_rows(t: torch.Tensor, n: int) -> torch.Tensor:

@@ -89,14 +89,16 @@ class ActiveRequest:
 def prompt_scores(spec: Sample, logits: torch.Tensor) -> SampleOutput:
     """Prompt logprobs (NaN at 0 and before the last N) and top-k prompt logprobs from the prefill logits (T, V)."""
     n = len(spec.prompt_tokens)
-    logp = torch.log_softmax(logits.float(), dim=-1)[:-1]  # row i predicts prompt position i + 1
+    # row i predicts prompt position i + 1; log p = logit - logsumexp, never a (T, V) log-softmax beside the logits
+    logits = logits[:-1].float()
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
     first = 1 if spec.prompt_logprobs_last_n is None else max(1, n - spec.prompt_logprobs_last_n)
     out = SampleOutput()
     if spec.prompt_logprobs:
         lp = np.full(n, math.nan, dtype=np.float32)
         if n > 1:
-            targets = torch.tensor(spec.prompt_tokens[1:], dtype=torch.long, device=logp.device)
-            lp[1:] = logp.gather(1, targets[:, None])[:, 0].cpu().numpy()
+            targets = torch.tensor(spec.prompt_tokens[1:], dtype=torch.long, device=logits.device)
+            lp[1:] = (logits.gather(1, targets[:, None]) - lse)[:, 0].cpu().numpy()
         lp[:first] = math.nan
         out.prompt_logprobs = lp
     if spec.topk_prompt_logprobs > 0:
@@ -104,8 +106,8 @@ def prompt_scores(spec: Sample, logits: torch.Tensor) -> SampleOutput:
         ids = np.zeros((n, k), dtype=np.int32)
         lps = np.full((n, k), TOPK_EMPTY_LOGPROB, dtype=np.float32)
         if n > 1:
-            top = logp.topk(k, dim=-1)
-            ids[1:], lps[1:] = top.indices.cpu().numpy(), top.values.cpu().numpy()
+            top = logits.topk(k, dim=-1)
+            ids[1:], lps[1:] = top.indices.cpu().numpy(), (top.values - lse).cpu().numpy()
         ids[:first], lps[:first] = 0, TOPK_EMPTY_LOGPROB
         out.topk_prompt_ids, out.topk_prompt_logprobs = ids, lps
     return out

@@ -219,7 +219,7 @@ class TorchSampler(SamplerBackend):
     def _advance(self, rows: list[Row], logits: torch.Tensor) -> None:
         """Pick each row's next token from its logits (B, V) and update its stop state."""
         logits = logits.float()
-        logp = torch.log_softmax(logits, dim=-1)
+        lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # log p = logit - lse: no (B, V) log-softmax
         params = [r.request.spec.params for r in rows]
         device = logits.device
         temperature = torch.tensor([p.temperature for p in params], device=device)
@@ -227,15 +227,18 @@ class TorchSampler(SamplerBackend):
         top_p = torch.tensor([p.top_p for p in params], device=device)
         uniforms = torch.stack([torch.rand((), generator=r.generator) for r in rows]).to(device)
         tokens = choose_tokens(logits, temperature, top_k, top_p, uniforms)
-        chosen = logp.gather(1, tokens[:, None])[:, 0]
+        chosen = (logits.gather(1, tokens[:, None]) - lse)[:, 0]
         k = max(r.request.spec.topk_sample_logprobs for r in rows)
-        top = logp.topk(k, dim=-1) if k > 0 else None
+        top = None
+        if k > 0:
+            best = logits.topk(k, dim=-1)
+            top = (best.indices, best.values - lse)
         tokens_l, chosen_l = tokens.tolist(), chosen.tolist()
         for i, row in enumerate(rows):
             topk_row = None
             if top is not None and row.request.spec.topk_sample_logprobs > 0:
                 kk = row.request.spec.topk_sample_logprobs
-                topk_row = (top.indices[i, :kk].cpu().numpy(), top.values[i, :kk].cpu().numpy())
+                topk_row = (top[0][i, :kk].cpu().numpy(), top[1][i, :kk].cpu().numpy())
             row.push(tokens_l[i], chosen_l[i], topk_row, self.detok)
 
     def _retire(self, rows: list[Row], active: list[ActiveRequest]) -> None:
