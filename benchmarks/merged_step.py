@@ -36,15 +36,41 @@ from workers.engine.trainer import Trainer  # noqa: E402
 from workers.scheduler import Scheduler  # noqa: E402
 
 
+MODELS = ["tiny", "qwen3-49k", "smollm2"]
+
+
 def model_folder(name: str, tmp: Path) -> Path:
+    """tiny: the tests' tiny Llama; qwen3-49k: a 6.4 M-parameter Qwen3 (hidden 64, 2 layers) with SmolLM2's
+    49,152-token vocabulary (the tiny tokenizer: its ids are a prefix of that vocabulary); smollm2: the embedded
+    default. The last two are kept under $TWINKLE_BENCH_DATA (default ~/.cache/twinkle-bench)."""
     if name == "tiny":
         from tests.support.tiny_model import build_tiny_model
 
         return build_tiny_model(tmp / "tiny")
+    cache = Path(os.environ.get("TWINKLE_BENCH_DATA", Path.home() / ".cache" / "twinkle-bench"))
+    if name == "qwen3-49k":
+        return _qwen3_49k(cache / "qwen3-49k")
     from workers.engine.model_assets import DEFAULT_BASE_MODEL, resolve_base_model
 
-    cache = Path(os.environ.get("TWINKLE_BENCH_DATA", Path.home() / ".cache" / "twinkle-bench"))
     return resolve_base_model(DEFAULT_BASE_MODEL, cache)
+
+
+def _qwen3_49k(folder: Path) -> Path:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from tests.support.tiny_model import train_tokenizer
+
+    if (folder / "tokenizer.json").exists():
+        return folder
+    config = Qwen3Config(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+                         tie_word_embeddings=False)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = Qwen3ForCausalLM(config).to(torch.float32)
+    model.save_pretrained(folder, safe_serialization=True)
+    train_tokenizer(384).save_pretrained(folder)
+    return folder
 
 
 def parse_shape(shape: str) -> tuple[int, int, int]:
@@ -118,7 +144,7 @@ def run_shape(trainer: Trainer, shape: str, vocab: int, rank: int, repeats: int,
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
+    ap.add_argument("--model", choices=MODELS, default="tiny")
     ap.add_argument("--shapes", default="16x64,16x16,4x512,4x8x512")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--rank", type=int, default=8)

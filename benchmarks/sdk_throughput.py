@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from benchmarks.merged_step import model_folder  # noqa: E402
+from benchmarks.merged_step import MODELS, model_folder  # noqa: E402
 
 
 def cpu_seconds(pid: int | None = None) -> float:
@@ -105,7 +105,7 @@ def run_phase(base_url: str, key: str, base_model: str, clients: int, seconds: f
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
+    ap.add_argument("--model", choices=MODELS, default="tiny")
     ap.add_argument("--clients", default="1,4,16")
     ap.add_argument("--seconds", type=float, default=4.0, help="length of each timed phase")
     ap.add_argument("--batch", default="1x64", help="ROWSxTOKENS per client and step")

@@ -2,12 +2,12 @@
 whose vocabulary dwarfs the rest, and on SmolLM2, in this tree and (given --before REV) in an older one.
 
 Workloads (TENANTSxTOKENS, one row of TOKENS per tenant's datum; ROWS datums per tenant):
-- `qwen3-49k`: a 6.4 M-parameter Qwen3 (hidden 64, 2 layers) with SmolLM2's 49,152-token vocabulary, built here;
-  1x4x64 (one client, 4 rows of 64 tokens) and 4x4x64 (four clients merged in one pass).
+- `qwen3-49k`: a 6.4 M-parameter Qwen3 (hidden 64, 2 layers) with SmolLM2's 49,152-token vocabulary (built by
+  benchmarks/merged_step.model_folder); 1x4x64 (one client, 4 rows of 64 tokens) and 4x4x64 (four clients merged in one pass).
 - `smollm2`: the embedded default, SmolLM2-135M-Instruct, at 4x512 and 16x64 (one row per tenant, merged).
 Each measurement runs in a child process of its own (its peak RSS is the workload's), trees alternate (new, old,
-new, old, ...), each child reports the median of its repeats after a warm-up. Prints one JSON line: per workload and
-tree the step seconds, tokens/s and peak RSS, and the old/new ratios.
+new, old, ...), each child reports the median of its repeats (wall and CPU seconds) after a warm-up. Prints one
+JSON line: per workload and tree the step seconds, tokens/s and peak RSS, and the old/new ratios.
 
 Usage: python benchmarks/vocab_step.py [--before REV] [--rounds 2] [--repeats 5] [--workloads qwen3-49k:1x4x64,...]
 """
@@ -30,22 +30,6 @@ ROOT = HERE.parents[1]
 DEFAULT_WORKLOADS = "qwen3-49k:1x4x64,qwen3-49k:4x4x64,smollm2:4x1x512,smollm2:16x1x64"
 
 
-def build_qwen3_49k(folder: Path) -> Path:
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    if (folder / "config.json").exists():
-        return folder
-    config = Qwen3Config(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
-                         tie_word_embeddings=False)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = Qwen3ForCausalLM(config).to(torch.float32)
-    model.save_pretrained(folder, safe_serialization=True)
-    return folder
-
-
 def child(args: argparse.Namespace) -> None:
     """One workload in the tree on sys.path: prints {"step_s": median, "peak_rss_mb": ..., ...}."""
     import numpy as np
@@ -66,11 +50,12 @@ def child(args: argparse.Namespace) -> None:
         data = {m: rng.integers(3, trainer.base.vocab_size, size=(rows, tokens + 1)).tolist() for m in models}
         for i, m in enumerate(models):
             assert trainer.execute(create(m, rank=8, seed=i)).ok
-        times = []
-        for step in range(2 + args.repeats):
+        times, cpu = [], []
+        warm = 8  # enough passes for the trainer's thread choice (workers/engine/threads.py) to settle
+        for step in range(warm + args.repeats):
             seq = 1 + 2 * step
             jobs = [fb(m, seq, data[m]) for m in models]
-            t = time.perf_counter()
+            t, c = time.perf_counter(), _cpu()
             results: list = []
             scheduler = Scheduler(gap_timeout=1e9, token_budget=trainer.token_budget, measure=trainer.measure)
             for job in jobs:
@@ -81,11 +66,21 @@ def child(args: argparse.Namespace) -> None:
             assert len(results) == tenants and all(r.ok for r in results), results
             for m in models:
                 assert trainer.execute(optim(m, seq + 1)).ok
-            if step >= 2:
+            if step >= warm:
                 times.append(time.perf_counter() - t)
-    print(json.dumps({"step_s": statistics.median(times), "load_rss_mb": round(load_rss, 1),
+                cpu.append(_cpu() - c)
+    chooser = getattr(trainer, "threads", None)
+    chosen = {str(1 << (k - 1)): c.chosen for k, c in chooser.classes.items()} if chooser else None
+    print(json.dumps({"step_s": statistics.median(times), "cpu_s": statistics.median(cpu), "threads_chosen": chosen,
+                      "load_rss_mb": round(load_rss, 1),
                       "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
                       "torch_threads": torch.get_num_threads()}))
+
+
+def _cpu() -> float:
+    """CPU seconds of this process, all threads (a step's CPU cost, less sensitive than wall time to other load)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def run_child(tree: Path, model: str, folder: Path, shape: str, repeats: int) -> dict:
@@ -98,13 +93,11 @@ def run_child(tree: Path, model: str, folder: Path, shape: str, repeats: int) ->
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def folder_of(model: str, cache: Path) -> Path:
-    if model == "qwen3-49k":
-        return build_qwen3_49k(cache / "qwen3-49k")
+def folder_of(model: str) -> Path:
     sys.path.insert(0, str(ROOT))
-    from workers.engine.model_assets import DEFAULT_BASE_MODEL, resolve_base_model
+    from benchmarks.merged_step import model_folder
 
-    return resolve_base_model(DEFAULT_BASE_MODEL, cache)
+    return model_folder(model, Path(tempfile.gettempdir()))
 
 
 def main() -> None:
@@ -112,7 +105,7 @@ def main() -> None:
     ap.add_argument("--before", help="a git revision to compare with (checked out in a temporary worktree)")
     ap.add_argument("--workloads", default=DEFAULT_WORKLOADS, help="MODEL:TENANTSxROWSxTOKENS,...")
     ap.add_argument("--rounds", type=int, default=2, help="children per tree and workload (alternating)")
-    ap.add_argument("--repeats", type=int, default=5, help="timed steps per child, after 2 warm-up steps")
+    ap.add_argument("--repeats", type=int, default=5, help="timed steps per child, after 8 warm-up steps")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--folder", help=argparse.SUPPRESS)
@@ -121,8 +114,6 @@ def main() -> None:
     if args.child:
         sys.path.insert(0, os.getcwd())
         return child(args)
-    cache = Path(os.environ.get("TWINKLE_BENCH_DATA", Path.home() / ".cache" / "twinkle-bench"))
-    cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         trees = {"new": ROOT}
         if args.before:
@@ -134,7 +125,7 @@ def main() -> None:
             results = []
             for workload in args.workloads.split(","):
                 model, shape = workload.split(":")
-                folder = folder_of(model, cache)
+                folder = folder_of(model)
                 runs: dict[str, list[dict]] = {name: [] for name in trees}
                 for _ in range(args.rounds):
                     for name, tree in trees.items():
@@ -144,6 +135,8 @@ def main() -> None:
                 for name, rs in runs.items():
                     step = statistics.median(r["step_s"] for r in rs)
                     row[name] = {"step_s": round(step, 4), "tokens_per_s": round(row["tokens"] / step, 1),
+                                 "cpu_s": round(statistics.median(r["cpu_s"] for r in rs), 4),
+                                 "threads_chosen": rs[-1]["threads_chosen"],
                                  "peak_rss_mb": max(r["peak_rss_mb"] for r in rs),
                                  "load_rss_mb": max(r["load_rss_mb"] for r in rs)}
                 if "old" in row:

@@ -117,6 +117,7 @@ class Limits(_Strict):
     job_ttl_seconds: float | None = Field(None, gt=0)
     max_lora_rank: int | None = Field(None, gt=0)
     train_token_budget: int | None = Field(None, gt=0)  # padded tokens of one merged pass (the trainer replicas)
+    train_threads: int | None = Field(None, ge=0)  # the trainer replicas' intra-op threads; 0: chosen per pass size
     adapter_device_budget_bytes: int | None = Field(None, ge=0)  # adapter paging (workers/engine/paging.py)
     adapter_host_budget_bytes: int | None = Field(None, ge=0)
     quota_max_resident_adapters: int | None = Field(None, gt=0)  # tenants without their own quota

@@ -39,6 +39,7 @@ def spec_from_settings(settings: Settings, index: int = 0) -> WorkerSpec:
         default_resident_adapters=settings.quota_max_resident_adapters,
         quota_refresh_seconds=max(settings.quota_cache_seconds, MIN_QUOTA_REFRESH_SECONDS),
         train_token_budget=settings.train_token_budget,
+        train_threads=settings.train_threads,
         seq_gap_timeout=settings.seq_gap_timeout_seconds,
         snapshot_every_steps=settings.snapshot_every_steps,
         sampler=settings.sampler,

@@ -79,6 +79,7 @@ class WorkerSpec(_Frozen):
     quota_refresh_seconds: float = Field(5.0, gt=0)  # how often a worker re-reads the published quotas
     # the train lane (workers/dispatcher.py, workers/recovery.py)
     train_token_budget: int | None = Field(None, gt=0)  # None: the engine's default (4096 CPU, 32768 GPU)
+    train_threads: int = Field(0, ge=0)  # intra-op threads of the trainer's passes; 0: measured per pass size
     seq_gap_timeout: float = Field(60.0, gt=0)
     snapshot_every_steps: int = Field(10, gt=0)
     # the sample lane (workers/sampling/)
@@ -121,6 +122,13 @@ def served_model(name: str, folder: Path) -> ServedModel:
     return ServedModel(name=name, vocab_size=int(cfg["vocab_size"]),
                        max_context=int(cfg.get("max_position_embeddings", 2048)),
                        tokenizer_id=tokenizer_id_for(folder), arch=(cfg.get("architectures") or [None])[0])
+
+
+def _accelerator_threads(device: str) -> int:
+    """On an accelerator the host threads barely matter to a pass: keep torch's count, measure nothing."""
+    import torch
+
+    return 0 if device == "cpu" else torch.get_num_threads()
 
 
 def paging_config(spec: WorkerSpec, resident_limit: ResidentLimit | None = None) -> PagingConfig:
@@ -186,12 +194,14 @@ class Runtime:
 
     def _build_train(self, queue: WorkerQueue, resident_limit: ResidentLimit | None, durable: bool) -> None:
         from workers.dispatcher import Dispatcher
+        from workers.engine.threads import ThreadChooser
         from workers.engine.trainer import Trainer
         from workers.recovery import Recovery
 
         spec = self.spec
         assert self.base is not None
-        trainer = Trainer(self.base, self.store, paging_config(spec, resident_limit), ledger=self.ledger)
+        trainer = Trainer(self.base, self.store, paging_config(spec, resident_limit), ledger=self.ledger,
+                          threads=ThreadChooser(fixed=spec.train_threads or _accelerator_threads(spec.device)))
         recovery = Recovery(trainer, self.store, snapshot_every=spec.snapshot_every_steps) if durable else None
         dispatcher = Dispatcher(  # merged multi-tenant steps (the Trainer is a StepEngine)
             queue, queue_name(spec.base_model, "train"), trainer.execute, gap_timeout=spec.seq_gap_timeout,

@@ -54,7 +54,7 @@ def build_tiny_model(
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    tokenizer = _train_tokenizer(vocab_size)
+    tokenizer = train_tokenizer(vocab_size)
     tokenizer.save_pretrained(folder)
 
     config = LlamaConfig(
@@ -80,7 +80,7 @@ def build_tiny_model(
     return folder
 
 
-def _train_tokenizer(vocab_size: int) -> object:
+def train_tokenizer(vocab_size: int) -> object:
     """Train a byte-level BPE on the built-in corpus and wrap it as a transformers fast tokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast

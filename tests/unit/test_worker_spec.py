@@ -21,7 +21,7 @@ SETTINGS = {
     "adapter_host_budget_bytes": 678, "quota_max_resident_adapters": 3, "quota_cache_seconds": 7.5,
     "train_token_budget": 777, "seq_gap_timeout_seconds": 12.0, "snapshot_every_steps": 4, "sampler": "vllm",
     "sampler_max_batch_rows": 9, "sampler_max_loaded_adapters": 5, "max_lora_rank": 16, "hub_push_concurrency": 6,
-    "storage_url": "memory://ckpt", "memory_budget_bytes": 10**9,
+    "storage_url": "memory://ckpt", "memory_budget_bytes": 10**9, "train_threads": 3,
 }
 
 
@@ -46,7 +46,7 @@ def test_spec_from_settings_carries_every_field(tmp_path: Path) -> None:
         "adapter_host_budget_bytes": 678, "default_resident_adapters": 3, "quota_refresh_seconds": 7.5,
         "train_token_budget": 777, "seq_gap_timeout": 12.0, "snapshot_every_steps": 4, "sampler": "vllm",
         "sampler_max_batch_rows": 9, "sampler_max_loaded_adapters": 5, "max_lora_rank": 16,
-        "hub_push_concurrency": 6, "memory_budget_bytes": 10**9,
+        "hub_push_concurrency": 6, "memory_budget_bytes": 10**9, "train_threads": 3,
     }
     assert spec.model_source == "org/some-model" and spec.storage.spill_dir == tmp_path.resolve() / "adapter-spill"
     # a quota cache of 0 (no cache) still has the worker re-read at most once a second
@@ -63,7 +63,7 @@ def test_spec_from_ray_carries_every_field(tmp_path: Path) -> None:
         "pusher": {"concurrency": 5},
         "limits": {"train_token_budget": 999, "adapter_device_budget_bytes": 1, "adapter_host_budget_bytes": 0,
                    "quota_max_resident_adapters": 2, "snapshot_every_steps": 3, "seq_gap_timeout_seconds": 9.0,
-                   "max_lora_rank": 32, "memory_budget_bytes": 2**30},
+                   "max_lora_rank": 32, "memory_budget_bytes": 2**30, "train_threads": 1},
     })
     settings = apply_limits(Settings(data_dir=tmp_path, quota_cache_seconds=2.0, storage_url="memory://x"), config)
     spec = spec_from_ray(config, config.models[0], settings)
@@ -76,7 +76,7 @@ def test_spec_from_ray_carries_every_field(tmp_path: Path) -> None:
         "default_resident_adapters": 2, "quota_refresh_seconds": 2.0, "train_token_budget": 999,
         "seq_gap_timeout": 9.0, "snapshot_every_steps": 3, "sampler": "vllm", "sampler_max_batch_rows": 11,
         "sampler_max_loaded_adapters": 7, "max_lora_rank": 32, "hub_push_concurrency": 5,
-        "memory_budget_bytes": 2**30,
+        "memory_budget_bytes": 2**30, "train_threads": 1,
     }
     # settings the YAML leaves alone come from the TWINKLE_* environment, as in every other wiring
     env_only = apply_limits(_settings(tmp_path), default_config)
@@ -118,6 +118,7 @@ def test_runtime_applies_the_spec(tiny_model_dir: Path, tmp_path: Path) -> None:
     assert cfg.tenant_resident_limit is not None and cfg.tenant_resident_limit("t-a") == 1
     assert rt.dispatcher.scheduler.token_budget == 321 and rt.dispatcher.scheduler.gap_timeout == 7.0
     assert rt.dispatcher.recovery is None  # the in-process queue keeps nothing to recover from
+    assert rt.trainer.threads.fixed == 0  # the default: measured per pass size
     assert rt.sampler.base is rt.base  # type: ignore[attr-defined]  # the torch sampler shares the weights
     assert [run.__self__ for run, _ in rt.loops()] == [rt.dispatcher, rt.sampling]  # type: ignore[attr-defined]
 

@@ -38,6 +38,7 @@ from workers.engine.full_param import FullParamError, FullRuns, is_full_checkpoi
 from workers.engine.merged import MergedPass, job_size
 from workers.engine.optim import gradient_norm, optimizer_step
 from workers.engine.paging import PagingConfig
+from workers.engine.threads import ThreadChooser
 from workers.memory import MemoryLedger, MemoryRefused
 from workers.scheduler import JobSize
 
@@ -48,8 +49,9 @@ log = logging.getLogger(__name__)
 
 class Trainer:
     def __init__(self, base: BaseModel, store: CheckpointStore, paging: PagingConfig | None = None,
-                 ledger: MemoryLedger | None = None) -> None:
+                 ledger: MemoryLedger | None = None, threads: ThreadChooser | None = None) -> None:
         self.base = base
+        self.threads = threads or ThreadChooser()  # intra-op threads per pass, by its size (workers/engine/threads.py)
         self.pool = AdapterPool(base, paging)
         self.full = FullRuns(base, ledger)  # full-parameter runs: private copies (workers/engine/full_param.py)
         self.store = store
@@ -108,9 +110,11 @@ class Trainer:
             full = [j for j in jobs if j.model_id in self.full]
             lora = [j for j in jobs if j.model_id not in self.full]
             if lora:
-                self._merged.run(lora, report)
+                with self.threads.pass_of(_padded_tokens(lora)):
+                    self._merged.run(lora, report)
             for job in full:  # a run's own copy of the weights: a pass of its rows only
-                MergedPass(self.full.get(job.model_id).base, self.full).run([job], report)
+                with self.threads.pass_of(_padded_tokens([job])):
+                    MergedPass(self.full.get(job.model_id).base, self.full).run([job], report)
         except Exception as e:  # noqa: BLE001 - a fault of the pass: its open jobs run again alone
             left = [j for j in jobs if j.job_id not in done]
             if len(jobs) == 1 or not left:
@@ -200,3 +204,9 @@ class Trainer:
             finally:
                 # a failed step (non-finite norm) drops its gradients too: the tenant can go on training
                 adapter.grads = [None] * len(adapter.params)
+
+
+def _padded_tokens(jobs: list[Job]) -> int:
+    """The tokens of the jobs' merged pass, padding included (rows x the longest row)."""
+    sizes = [job_size(job) for job in jobs]
+    return sum(s.rows for s in sizes) * max(s.max_len for s in sizes)

@@ -1,0 +1,75 @@
+"""The trainer's thread choice per pass size (workers/engine/threads.py): every candidate is measured on real passes
+of a size class, the fastest per token is kept, re-measured later; a fixed count disables it."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from workers.engine import threads as threads_mod
+from workers.engine.threads import TRIALS, ThreadChooser
+
+
+def _measure(chooser: ThreadChooser, tokens: int, seconds_per_token: dict[int, float]) -> list[int]:
+    tried = []
+    for _ in range(TRIALS * len(chooser.candidates)):
+        n = chooser.choose(tokens)
+        tried.append(n)
+        chooser.record(tokens, n, seconds_per_token[n] * tokens)
+    return tried
+
+
+def test_candidates_double_up_to_the_maximum() -> None:
+    assert ThreadChooser(max_threads=2).candidates == [1, 2]
+    assert ThreadChooser(max_threads=6).candidates == [1, 2, 4, 6]
+
+
+def test_each_size_class_keeps_its_fastest_count() -> None:
+    chooser = ThreadChooser(max_threads=4)
+    tried = _measure(chooser, 256, {1: 1.0, 2: 3.0, 4: 2.0})  # a small pass: one thread is best
+    assert sorted(tried) == sorted([1, 2, 4] * TRIALS)
+    assert chooser.choose(256) == 1 and chooser.choose(300) == 1  # 256..511 tokens: one class
+    _measure(chooser, 4096, {1: 3.0, 2: 2.0, 4: 1.0})  # a large one: all four
+    assert chooser.choose(4096) == 4 and chooser.choose(256) == 1
+
+
+def test_a_class_is_measured_again_after_refresh(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(threads_mod, "REFRESH", 5)
+    chooser = ThreadChooser(max_threads=2)
+    _measure(chooser, 64, {1: 1.0, 2: 2.0})
+    for _ in range(5):
+        assert chooser.choose(64) == 1
+        chooser.record(64, 1, 1.0)
+    _measure(chooser, 64, {1: 2.0, 2: 1.0})  # the load changed: two threads win now
+    assert chooser.choose(64) == 2
+
+
+def test_fixed_count_and_single_core() -> None:
+    assert ThreadChooser(max_threads=8, fixed=3).choose(10) == 3
+    assert ThreadChooser(max_threads=1).choose(10**6) == 1
+
+
+def test_pass_of_sets_the_calling_threads_count_only() -> None:
+    chooser = ThreadChooser(max_threads=2, fixed=1)
+    seen: dict[str, int] = {}
+    outside = torch.get_num_threads()
+
+    def work() -> None:
+        with chooser.pass_of(100) as n:
+            seen["inside"], seen["chosen"] = torch.get_num_threads(), n
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    assert seen["inside"] == seen["chosen"] == 1
+    assert torch.get_num_threads() == outside  # this thread's count untouched
+
+
+def test_a_failed_pass_is_no_measurement() -> None:
+    chooser = ThreadChooser(max_threads=2)
+    with pytest.raises(RuntimeError):
+        with chooser.pass_of(100):
+            raise RuntimeError("boom")
+    assert all(not s for s in chooser.classes[(100).bit_length()].samples.values())

@@ -1,0 +1,92 @@
+"""The trainer's intra-op thread count, chosen per merged pass from its size.
+
+A small pass is bound by per-op overhead, and a second intra-op thread costs more in synchronisation than it saves
+(tiny model, one client: 1 thread ~4,800 tokens/s, 2 threads ~3,400); a large pass wants every core. Where the
+crossover lies depends on the model and the machine, so it is measured on the real passes instead of guessed:
+passes fall into size classes (powers of two of their padded tokens); while a class is new, its passes take each
+candidate thread count in turn (1, then doubling up to the maximum) until each has run `TRIALS` passes; from then
+on the class runs with the count whose passes took the least time per token (the median of its trials), and
+re-measures the candidates after every `REFRESH` passes of the class, so a change of load is followed.
+
+The count is set on the calling thread only (torch's OpenMP intra-op pool is per thread), so a sampler thread in
+the same process keeps its own. A fixed count (`TWINKLE_TRAIN_THREADS`) turns the choice off.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+TRIALS = 3  # passes per candidate while measuring a size class
+REFRESH = 500  # passes of a class between two measurements
+
+
+@dataclass
+class _SizeClass:
+    samples: dict[int, list[float]]  # threads -> seconds per token of its trial passes
+    chosen: int | None = None
+    since: int = 0  # passes run with `chosen`
+
+
+@dataclass
+class ThreadChooser:
+    """Picks the intra-op threads of each pass (`fixed` > 0: always that many)."""
+
+    max_threads: int = field(default_factory=torch.get_num_threads)
+    fixed: int = 0
+    classes: dict[int, _SizeClass] = field(default_factory=dict)
+
+    @property
+    def candidates(self) -> list[int]:
+        out, n = [], 1
+        while n < self.max_threads:
+            out.append(n)
+            n *= 2
+        return out + [self.max_threads]
+
+    def choose(self, tokens: int) -> int:
+        if self.fixed or self.max_threads <= 1:
+            return self.fixed or 1
+        c = self._class(tokens)
+        if c.chosen is not None and c.since < REFRESH:
+            return c.chosen
+        if c.chosen is not None:  # time to measure again
+            c.chosen, c.samples = None, {n: [] for n in self.candidates}
+        return min(c.samples, key=lambda n: len(c.samples[n]))  # the candidate with the fewest trials so far
+
+    def record(self, tokens: int, threads: int, seconds: float) -> None:
+        if self.fixed or self.max_threads <= 1:
+            return
+        c = self._class(tokens)
+        if c.chosen is not None:
+            c.since += 1
+            return
+        c.samples.setdefault(threads, []).append(seconds / max(tokens, 1))
+        if all(len(s) >= TRIALS for s in c.samples.values()):
+            c.chosen = min(c.samples, key=lambda n: statistics.median(c.samples[n]))
+            c.since = 0
+
+    @contextmanager
+    def pass_of(self, tokens: int) -> Iterator[int]:
+        """Run a pass of `tokens` padded tokens with the chosen threads (on this thread), timing it."""
+        threads = self.choose(tokens)
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        start = time.perf_counter()
+        try:
+            yield threads
+            self.record(tokens, threads, time.perf_counter() - start)  # a pass that raised is no measurement
+        finally:
+            torch.set_num_threads(before)
+
+    def _class(self, tokens: int) -> _SizeClass:
+        key = max(tokens, 1).bit_length()
+        c = self.classes.get(key)
+        if c is None:
+            c = self.classes[key] = _SizeClass({n: [] for n in self.candidates})
+        return c
