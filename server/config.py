@@ -83,8 +83,8 @@ class Settings(BaseSettings):
     # multi-tenant engine (workers/scheduler.py, workers/engine/paging.py) and quotas (server/services/quotas.py)
     train_token_budget: int | None = Field(None, gt=0)  # padded tokens in one merged pass; None: 4096 CPU, 32768 GPU
     train_threads: int = Field(0, ge=0)  # the trainer's intra-op threads; 0: measured per pass size (engine/threads.py)
-    adapter_device_budget_bytes: int | None = Field(None, ge=0)  # adapters' state on the device; None: no limit
-    adapter_host_budget_bytes: int | None = Field(None, ge=0)  # paged-out adapters in host memory, then disk
+    adapter_device_budget_bytes: int | None = Field(None, ge=0)  # adapters' state on the device; None: 1/8 of its memory
+    adapter_host_budget_bytes: int | None = Field(None, ge=0)  # paged-out adapters in RAM, then disk; None: 1/4 of RAM
     quota_max_models: int | None = Field(None, ge=0)  # defaults for tenants without their own (tenants set-quota)
     quota_max_resident_adapters: int | None = Field(None, gt=0)
     quota_tokens_per_minute: int | None = Field(None, gt=0)

@@ -68,6 +68,30 @@ def free_bytes(device: str) -> int:
     return int(psutil.virtual_memory().available)
 
 
+def total_bytes(device: str) -> int:
+    """All the memory the device has (CPU: the machine's RAM)."""
+    if device.startswith("cuda"):
+        import torch
+
+        return int(torch.cuda.get_device_properties(torch.device(device)).total_memory)
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import psutil
+
+    return int(psutil.virtual_memory().total)
+
+
+def default_adapter_budgets(device: str) -> tuple[int, int]:
+    """Adapter paging budgets (device tier, host tier) where the operator sets none: adapters attached to the model
+    take at most 1/8 of the device's memory, paged-out ones at most 1/4 of the RAM; beyond that they go to disk. So
+    a thousand idle adapters never exhaust memory (on a CPU both tiers are RAM: 3/8 of it in all)."""
+    return total_bytes(device) // 8, total_bytes("cpu") // 4
+
+
 def _gib(n: int) -> str:
     return f"{n / GIB:.2f} GiB"
 

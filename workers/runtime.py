@@ -72,7 +72,7 @@ class WorkerSpec(_Frozen):
     storage: StorageSpec
     dtype: Literal["float32", "bfloat16", "float16", "float64"] = "float32"
     device: str = "cpu"
-    # paging (workers/engine/paging.py); None: no limit
+    # paging (workers/engine/paging.py); None: 1/8 of the device's memory, 1/4 of the RAM (workers/memory.py)
     adapter_device_budget_bytes: int | None = Field(None, ge=0)
     adapter_host_budget_bytes: int | None = Field(None, ge=0)
     default_resident_adapters: int | None = Field(None, gt=0)  # a tenant's limit until its quota is known
@@ -134,9 +134,14 @@ def _accelerator_threads(device: str) -> int:
 def paging_config(spec: WorkerSpec, resident_limit: ResidentLimit | None = None) -> PagingConfig:
     from workers.engine.paging import PagingConfig
 
+    from workers.memory import default_adapter_budgets
+
     default = spec.default_resident_adapters
+    device_default, host_default = default_adapter_budgets(spec.device)
+    device_budget, host_budget = spec.adapter_device_budget_bytes, spec.adapter_host_budget_bytes
     return PagingConfig(
-        device_budget_bytes=spec.adapter_device_budget_bytes, host_budget_bytes=spec.adapter_host_budget_bytes,
+        device_budget_bytes=device_default if device_budget is None else device_budget,
+        host_budget_bytes=host_default if host_budget is None else host_budget,
         spill_dir=spec.storage.spill_dir,
         tenant_resident_limit=resident_limit if resident_limit is not None else (lambda _tenant: default),
     )

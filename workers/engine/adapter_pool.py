@@ -54,6 +54,14 @@ class Adapter:
     last_used: int = 0
     pins: int = 0  # > 0 while a step uses it: it never pages out then
     spill_path: Path | None = None
+    _param_bytes: int = 0
+
+    @property
+    def param_bytes(self) -> int:
+        """Bytes of the adapter's weights (their shapes never change: computed once)."""
+        if not self._param_bytes:
+            self._param_bytes = sum(p.numel() * p.element_size() for p in self.params)
+        return self._param_bytes
 
     @property
     def route_id(self) -> str:

@@ -10,6 +10,7 @@ one autograd Function:
 - backward: the chunk's logits are recomputed, softmax = exp(logits - lse), and the gradient of the targets' log-probs
   with respect to the logits is `onehot(t) * g - softmax * sum(g)`, built in place; it flows to the hidden states,
   to the head's weight when it is trained (a full-parameter run) and to the head's LoRA term (train_unembed).
+  Positions the loss gives no weight (prompt tokens of SFT and RL) have no gradient and are skipped.
 So at most one chunk of (positions x vocab) floats is alive, never the whole pass, and padding positions cost
 nothing. The gradients are the same as autograd's through log_softmax + gather (tests/unit/test_head_logprobs.py,
 float64 to 1e-9).
@@ -117,25 +118,35 @@ class _TargetLogprobs(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         hidden, weight, low, up, targets, lse = ctx.saved_tensors
         need_h, need_w, need_low, need_up = ctx.needs_input_grad[:4]
-        wide = lse.dtype
-        g_h = torch.empty_like(hidden) if need_h else None
+        g_h = torch.zeros_like(hidden) if need_h else None
         g_w = torch.zeros_like(weight) if need_w else None
-        g_low = torch.empty_like(low) if need_low else None
+        g_low = torch.zeros_like(low) if need_low else None
         g_up = torch.zeros_like(up) if need_up else None
-        grad = grad.to(wide)
+        # positions whose log-probs the loss does not weigh (prompt tokens, padding of k) add nothing: skip them
+        live = grad.ne(0).any(dim=1).nonzero().squeeze(1)
+        if live.numel() < hidden.shape[0]:
+            hidden, targets, lse, grad = hidden[live], targets[live], lse[live], grad[live]
+            low = None if low is None else low[live]
+        grad = grad.to(lse.dtype)
+        d_h = None if g_h is None else torch.empty_like(hidden)
+        d_low = None if g_low is None or low is None else torch.empty_like(low)
         for s in range(0, hidden.shape[0], ctx.chunk):
             e = min(hidden.shape[0], s + ctx.chunk)
             lo = None if low is None else low[s:e]
             scale = -grad[s:e].sum(1, keepdim=True)
-            d = _logits(hidden[s:e], weight, lo, up, wide).sub_(lse[s:e, None]).exp_().mul_(scale)  # recomputed
+            d = _logits(hidden[s:e], weight, lo, up, lse.dtype).sub_(lse[s:e, None]).exp_().mul_(scale)  # recomputed
             d.scatter_add_(1, targets[s:e], grad[s:e])  # -softmax * sum(g) + g at the targets: d log p(t) / d logits
             d = d.to(hidden.dtype)
-            if g_h is not None:
-                torch.mm(d, weight, out=g_h[s:e])
+            if d_h is not None:
+                torch.mm(d, weight, out=d_h[s:e])
             if g_w is not None:
                 g_w.addmm_(d.t(), hidden[s:e])
-            if g_low is not None:
-                torch.mm(d, up, out=g_low[s:e])
+            if d_low is not None:
+                torch.mm(d, up, out=d_low[s:e])
             if g_up is not None:
                 g_up.addmm_(d.t(), lo)
+        if g_h is not None and d_h is not None:
+            g_h.index_copy_(0, live, d_h)
+        if g_low is not None and d_low is not None:
+            g_low.index_copy_(0, live, d_low)
         return g_h, g_w, g_low, g_up, None, None

@@ -50,6 +50,10 @@ class OptimState:
         """Free the buffers (paging wrote them elsewhere); load_state_dict brings them back."""
         self.exp_avg, self.exp_avg_sq, self.momentum_buffer = [], [], []
 
+    def buffer_sets(self) -> int:
+        """How many sets of buffers (each one tensor per parameter) the state holds now."""
+        return sum(1 for buffers in (self.exp_avg, self.exp_avg_sq, self.momentum_buffer) if buffers)
+
     def tensors(self) -> list[torch.Tensor]:
         return [*self.exp_avg, *self.exp_avg_sq, *self.momentum_buffer]
 

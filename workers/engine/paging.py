@@ -52,9 +52,13 @@ class PagingConfig:
 
 
 def state_bytes(adapter: Adapter) -> int:
-    tensors = list(adapter.params) + [g for g in adapter.grads if g is not None]
-    tensors += adapter.optim.tensors()
-    return sum(t.numel() * t.element_size() for t in tensors)
+    """The adapter's state in memory: its weights, plus its gradients and optimizer buffers, each a set shaped like
+    the weights and present for all of them or none; counted from the weights' (cached) size, in O(1), so paging
+    decisions cost nothing per idle adapter's tensors."""
+    if not adapter.params:
+        return 0  # spilled to disk
+    grads = 1 if adapter.grads and adapter.grads[0] is not None else 0
+    return adapter.param_bytes * (1 + grads + adapter.optim.buffer_sets())
 
 
 def detach_from_layers(adapter: Adapter, layers: dict[str, LoraLinear]) -> None:
