@@ -31,7 +31,21 @@ def compat_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPr
     srv.stop()
 
 
+@pytest.fixture(scope="session")
+def full_param_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """A server whose operator offers full-parameter training on its model (TWINKLE_FULL_PARAM_MODELS=*)."""
+    model = tmp_path_factory.mktemp("tiny-model-full") / "model"
+    subprocess.run([SERVER_PYTHON, "-c", _BUILD, str(model)], cwd=ROOT, check=True, timeout=300)
+    srv = ServerProcess(tmp_path_factory.mktemp("server-full"), str(model), python=SERVER_PYTHON,
+                        env={"TWINKLE_FULL_PARAM_MODELS": "*", "TWINKLE_AUTH_CACHE_SECONDS": "1"})
+    srv.api_key_a = srv.create_key("tenant-a")  # type: ignore[attr-defined]
+    srv.start()
+    yield srv
+    srv.stop()
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
     outcome = yield
-    add_server_log(item, outcome.get_result(), "compat_server")
+    for fixture in ("compat_server", "full_param_server"):
+        add_server_log(item, outcome.get_result(), fixture)

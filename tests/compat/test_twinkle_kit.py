@@ -47,3 +47,30 @@ def test_training_and_sampling_under_twinkle_kits_patch(compat_server: ServerPro
 
     with pytest.raises(tinker.BadRequestError, match="full-parameter training is not enabled for base model"):
         sc.create_full_training_client(base_model=srv.base_model)  # type: ignore[attr-defined]
+
+
+
+def test_full_training_client_where_the_operator_offers_it(full_param_server: ServerProcess) -> None:
+    """twinkle-kit's create_full_training_client (create_model without a LoRA config) gets a full-parameter run: its
+    loss falls, get_info says it is no LoRA, its state saves, and its weights sample."""
+    from twinkle_client.utils.patch_tinker import patch_tinker
+
+    patch_tinker()
+    srv = full_param_server
+    sc = tinker.ServiceClient(base_url=srv.base_url, api_key=srv.api_key_a)  # type: ignore[attr-defined]
+    tc = sc.create_full_training_client(base_model=srv.base_model)  # type: ignore[attr-defined]
+    info = tc.get_info()
+    assert info.is_lora is False and info.lora_rank is None, info
+    data = batch(5)
+    losses = []
+    for _ in range(4):
+        fb = tc.forward_backward(data, "cross_entropy")
+        tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+        losses.append(fb.result().metrics["loss:sum"])
+    assert losses[-1] < losses[0] * 0.9, losses
+    assert tc.save_state("full-run").result().path.startswith("tinker://")
+    path = tc.save_weights_for_sampler("full-run-sampler").result().path
+    sampling = sc.create_sampling_client(model_path=path)
+    resp = sampling.sample(prompt=types.ModelInput.from_ints([5, 6, 7]), num_samples=1,
+                           sampling_params=types.SamplingParams(max_tokens=4)).result()
+    assert len(resp.sequences) == 1 and 1 <= len(resp.sequences[0].tokens) <= 4
