@@ -57,15 +57,7 @@ def free_bytes(device: str) -> int:
 
         free, _total = torch.cuda.mem_get_info(torch.device(device))
         return int(free)
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import psutil  # not Linux: ask psutil (ray's dependency; installed with the server)
-
-    return int(psutil.virtual_memory().available)
+    return _ram("MemAvailable", "available")
 
 
 def total_bytes(device: str) -> int:
@@ -74,15 +66,20 @@ def total_bytes(device: str) -> int:
         import torch
 
         return int(torch.cuda.get_device_properties(torch.device(device)).total_memory)
+    return _ram("MemTotal", "total")
+
+
+def _ram(meminfo_field: str, psutil_field: str) -> int:
+    """A /proc/meminfo figure in bytes (not Linux: psutil's, ray's dependency, installed with the server)."""
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
+            if line.startswith(f"{meminfo_field}:"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
     import psutil
 
-    return int(psutil.virtual_memory().total)
+    return int(getattr(psutil.virtual_memory(), psutil_field))
 
 
 def default_adapter_budgets(device: str) -> tuple[int, int]:

@@ -28,11 +28,7 @@ def test_training_and_sampling_under_twinkle_kits_patch(compat_server: ServerPro
     sc = tinker.ServiceClient(base_url=srv.base_url, api_key=srv.api_key_a)  # type: ignore[attr-defined]
     tc = sc.create_lora_training_client(base_model=srv.base_model, rank=8, seed=2)
     data = batch(5)
-    losses = []
-    for _ in range(6):
-        fb = tc.forward_backward(data, "cross_entropy")
-        tc.optim_step(types.AdamParams(learning_rate=2e-2)).result()
-        losses.append(fb.result().metrics["loss:sum"])
+    losses = _train(tc, data, lr=2e-2, steps=6)
     assert losses[-1] < losses[0] * 0.9, losses
 
     path = tc.save_weights_for_sampler("under-twinkle").result().path
@@ -61,12 +57,7 @@ def test_full_training_client_where_the_operator_offers_it(full_param_server: Se
     tc = sc.create_full_training_client(base_model=srv.base_model)  # type: ignore[attr-defined]
     info = tc.get_info()
     assert info.is_lora is False and info.lora_rank is None, info
-    data = batch(5)
-    losses = []
-    for _ in range(4):
-        fb = tc.forward_backward(data, "cross_entropy")
-        tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
-        losses.append(fb.result().metrics["loss:sum"])
+    losses = _train(tc, batch(5), lr=1e-3, steps=4)
     assert losses[-1] < losses[0] * 0.9, losses
     assert tc.save_state("full-run").result().path.startswith("tinker://")
     path = tc.save_weights_for_sampler("full-run-sampler").result().path
@@ -74,3 +65,13 @@ def test_full_training_client_where_the_operator_offers_it(full_param_server: Se
     resp = sampling.sample(prompt=types.ModelInput.from_ints([5, 6, 7]), num_samples=1,
                            sampling_params=types.SamplingParams(max_tokens=4)).result()
     assert len(resp.sequences) == 1 and 1 <= len(resp.sequences[0].tokens) <= 4
+
+
+def _train(tc: tinker.TrainingClient, data: list[types.Datum], lr: float, steps: int) -> list[float]:
+    """cross_entropy + Adam steps; the loss of each."""
+    losses = []
+    for _ in range(steps):
+        fb = tc.forward_backward(data, "cross_entropy")
+        tc.optim_step(types.AdamParams(learning_rate=lr)).result()
+        losses.append(fb.result().metrics["loss:sum"])
+    return losses
