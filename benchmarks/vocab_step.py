@@ -51,7 +51,7 @@ def child(args: argparse.Namespace) -> None:
         for i, m in enumerate(models):
             assert trainer.execute(create(m, rank=8, seed=i)).ok
         times, cpu = [], []
-        warm = 8  # enough passes for the trainer's thread choice (workers/engine/threads.py) to settle
+        warm = args.warmup  # enough passes for the trainer's thread choice (workers/engine/threads.py) to settle
         for step in range(warm + args.repeats):
             seq = 1 + 2 * step
             jobs = [fb(m, seq, data[m]) for m in models]
@@ -83,10 +83,11 @@ def _cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def run_child(tree: Path, model: str, folder: Path, shape: str, repeats: int) -> dict:
+def run_child(tree: Path, model: str, folder: Path, shape: str, repeats: int, warmup: int) -> dict:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": str(tree)}
     out = subprocess.run([sys.executable, str(HERE), "--child", "--model", model, "--folder", str(folder),
-                          "--shape", shape, "--repeats", str(repeats)], cwd=tree, env=env, capture_output=True,
+                          "--shape", shape, "--repeats", str(repeats), "--warmup", str(warmup)],
+                         cwd=tree, env=env, capture_output=True,
                          text=True, check=False)
     if out.returncode != 0:
         raise SystemExit(f"{tree} {model} {shape} failed:\n{out.stderr[-3000:]}")
@@ -105,7 +106,8 @@ def main() -> None:
     ap.add_argument("--before", help="a git revision to compare with (checked out in a temporary worktree)")
     ap.add_argument("--workloads", default=DEFAULT_WORKLOADS, help="MODEL:TENANTSxROWSxTOKENS,...")
     ap.add_argument("--rounds", type=int, default=2, help="children per tree and workload (alternating)")
-    ap.add_argument("--repeats", type=int, default=5, help="timed steps per child, after 8 warm-up steps")
+    ap.add_argument("--repeats", type=int, default=5, help="timed steps per child, after the warm-up steps")
+    ap.add_argument("--warmup", type=int, default=8, help="untimed steps first (the thread choice settles)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--folder", help=argparse.SUPPRESS)
@@ -129,7 +131,7 @@ def main() -> None:
                 runs: dict[str, list[dict]] = {name: [] for name in trees}
                 for _ in range(args.rounds):
                     for name, tree in trees.items():
-                        runs[name].append(run_child(tree, model, folder, shape, args.repeats))
+                        runs[name].append(run_child(tree, model, folder, shape, args.repeats, args.warmup))
                 tenants, rows, tokens = (int(x) for x in shape.split("x"))
                 row: dict = {"model": model, "shape": shape, "tokens": tenants * rows * tokens}
                 for name, rs in runs.items():
