@@ -61,8 +61,10 @@ def test_rl_train_async_stable_reinforce_is_refused_at_the_first_sample(cookbook
     with pytest.raises(Exception) as e:
         asyncio.run(asyncio.wait_for(train.main(config), timeout=300))
     chain = [e.value, *_causes(e.value)]
-    assert any(isinstance(x, tinker.BadRequestError) and "stable_reinforce is not supported" in str(x)
-               for x in chain), chain
+    refusals = [x for x in chain if isinstance(x, tinker.BadRequestError)]
+    assert refusals and all("stable_reinforce is not supported" in str(x) for x in refusals), chain
+    # the sample request was refused, not a forward_backward after a sampled batch
+    assert {x.request.url.path for x in refusals} == {"/api/v1/asample"}, refusals
 
 
 def _causes(exc: BaseException) -> list[BaseException]:
