@@ -35,7 +35,7 @@ def test_train_dpo_lowers_the_loss(cookbook_env: ServerProcess, model_dir: Path,
     log_path = tmp_path / "dpo"
     config = train_dpo.Config(
         log_path=str(log_path), model_name=cookbook_env.base_model, recipe_name="twinkle_test",
-        renderer_name="role_colon", base_url=cookbook_env.base_url, learning_rate=1e-2, lr_schedule="constant",
+        renderer_name="role_colon", base_url=cookbook_env.base_url, learning_rate=3e-3, lr_schedule="constant",
         num_epochs=4, dpo_beta=0.5, lora_rank=8, save_every=0, eval_every=0, infrequent_eval_every=0,
         dataset_builder=DPODatasetBuilderFromComparisons(
             comparison_builder=ComparisonBuilderFromJsonl(train_path=str(_comparisons(tmp_path / "pairs.jsonl"))),
@@ -47,4 +47,5 @@ def test_train_dpo_lowers_the_loss(cookbook_env: ServerProcess, model_dir: Path,
     assert len(rows) == 8, rows  # 8 pairs / 4 a batch x 4 epochs
     losses = [r["dpo_loss"] for r in rows]
     assert losses[0] == pytest.approx(math.log(2), abs=1e-3), losses
-    assert losses[-1] < losses[0] * 0.8 and rows[-1]["accuracy"] > 0.5 and rows[-1]["margin"] > 0, rows
+    # the last epoch's two batches against the first's
+    assert sum(losses[-2:]) < sum(losses[:2]) * 0.5 and all(r["margin"] > 0 for r in rows[-2:]), rows
