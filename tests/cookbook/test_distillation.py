@@ -37,15 +37,15 @@ def test_train_on_policy_lowers_the_teacher_kl(cookbook_env: ServerProcess, teac
                                                tmp_path: Path) -> None:
     log_path = tmp_path / "distill"
     config = train_on_policy.Config(
-        learning_rate=3e-3, model_name=cookbook_env.base_model, recipe_name="twinkle_test", max_tokens=16,
+        learning_rate=5e-3, model_name=cookbook_env.base_model, recipe_name="twinkle_test", max_tokens=16,
         lora_rank=8, kl_penalty_coef=1.0, log_path=str(log_path), base_url=cookbook_env.base_url, eval_every=0,
         save_every=0,
         dataset_configs=[DistillationDatasetConfig(
-            dataset_builder=TokenSetBuilder(batches=24, group_size=16, reward_scale=0.0),
+            dataset_builder=TokenSetBuilder(batches=24, group_size=32, reward_scale=0.0),
             teacher_config=TeacherConfig(base_model=str(teacher_dir)), groups_per_batch=4)],
     )
     asyncio.run(train_on_policy.main(config))
     kl = [float(r["teacher_kl"]) for r in metric_rows(log_path) if "teacher_kl" in r]
     assert len(kl) == 24, kl
-    # one step's estimate (1024 sampled tokens, unseeded) varies by about 0.03; the halves' means by less
+    # one step's estimate (2048 sampled tokens, unseeded) varies by about 0.03; the halves' means by less
     assert kl[0] > 0 and np.mean(kl[12:]) < np.mean(kl[:12]) - 0.02, kl
