@@ -33,8 +33,9 @@ class TokenSetEnv(Env):
 
     async def step(self, action: Action, *, extra: object = None) -> StepResult:
         share = sum(t in GOOD for t in action) / max(1, len(action))
-        return StepResult(reward=self.reward_scale * share, episode_done=True, next_observation=tinker.ModelInput.empty(),
-                          next_stop_condition=[], metrics={"good_share": share})
+        return StepResult(reward=self.reward_scale * share, episode_done=True,
+                          next_observation=tinker.ModelInput.empty(), next_stop_condition=[],
+                          metrics={"good_share": share})
 
 
 class TokenSetGroup(EnvGroupBuilder):
