@@ -97,7 +97,6 @@ _SPECS: tuple[LossSpec, ...] = (
 )
 
 LOSS_SPECS: Mapping[str, LossSpec] = MappingProxyType({s.name: s for s in _SPECS})
-# What a Tinker client may name (the native protocol's losses map onto these and the native-only ones).
 # The loss a sample request's `record_stability_info=True` prepares for (the SDK: "StableReinforce training").
 STABILITY_LOSS = "stable_reinforce"
 
@@ -108,6 +107,7 @@ def stability_refusal() -> str | None:
     return LOSS_SPECS[STABILITY_LOSS].unsupported_reason
 
 
+# What a Tinker client may name (the native protocol's losses map onto these and the native-only ones).
 SUPPORTED_LOSSES: tuple[str, ...] = tuple(s.name for s in _SPECS if s.unsupported_reason is None and not s.native_only)
 
 
