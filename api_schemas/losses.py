@@ -97,6 +97,16 @@ _SPECS: tuple[LossSpec, ...] = (
 )
 
 LOSS_SPECS: Mapping[str, LossSpec] = MappingProxyType({s.name: s for s in _SPECS})
+# The loss a sample request's `record_stability_info=True` prepares for (the SDK: "StableReinforce training").
+STABILITY_LOSS = "stable_reinforce"
+
+
+def stability_refusal() -> str | None:
+    """Why a sample request asking for stability records is refused (the loss's own reason), None once offered:
+    the client learns it at its first sample, not after a whole batch was sampled for a forward_backward."""
+    return LOSS_SPECS[STABILITY_LOSS].unsupported_reason
+
+
 # What a Tinker client may name (the native protocol's losses map onto these and the native-only ones).
 SUPPORTED_LOSSES: tuple[str, ...] = tuple(s.name for s in _SPECS if s.unsupported_reason is None and not s.native_only)
 

@@ -42,9 +42,29 @@ def summary(example: str, **fields: Any) -> None:
     print(json.dumps({"example": example, **fields}, sort_keys=False), flush=True)
 
 
-def first_served_model(base_url: str, api_key: str) -> str:
-    """The first model of the server's capabilities (tinker SDK's RestClient)."""
+def served_models(base_url: str, api_key: str) -> list[str]:
+    """The models of the server's capabilities, in its order (tinker SDK's RestClient)."""
     import tinker
 
     caps = tinker.RestClient(base_url=base_url, api_key=api_key).get_server_capabilities().result()
-    return str(caps.supported_models[0].model_name)
+    return [str(m.model_name) for m in caps.supported_models]
+
+
+def first_served_model(base_url: str, api_key: str) -> str:
+    return served_models(base_url, api_key)[0]
+
+
+def student_and_teacher(args: argparse.Namespace) -> tuple[str, str]:
+    """The distillation examples' two models: --base-model / --teacher-model, by default the server's first and
+    second served models (`twinkle-server serve --base-model STUDENT --base-model TEACHER`)."""
+    served = served_models(args.base_url, args.api_key)
+    student = args.base_model or served[0]
+    teacher = args.teacher_model or next((m for m in served if m != student), None)
+    if teacher is None:
+        raise SystemExit(f"the server serves only {served}: start it with a second --base-model for the teacher "
+                         "or pass --teacher-model")
+    return student, teacher
+
+
+PROMPTS = ("Describe the sea.", "Write a line about the moon.", "What is a good breakfast?", "Name a color.",
+           "Tell me about trees.", "Say something kind.", "How do birds fly?", "What is rain?")

@@ -16,6 +16,7 @@ from tinker.proto import tinker_public_pb2 as pb
 
 from api_schemas.arrays import Column
 from api_schemas.jobs import ForwardBackwardResult, SampleResult
+from api_schemas.tinker.provenance import Provenance, ProvenanceError, decode_provenance
 
 _DTYPES: dict[int, np.dtype] = {
     pb.DTYPE_FLOAT32: np.dtype("<f4"),
@@ -39,6 +40,7 @@ class ProtoDecodeError(ValueError):
 class DecodedDatum:
     tokens: np.ndarray  # int64 (N,), the model input
     inputs: dict[str, np.ndarray]  # loss_fn_inputs, dense, int64 or float32
+    provenance: Provenance | None = None  # Datum.with_provenance's spans (api_schemas/tinker/provenance.py)
 
 
 @dataclass(frozen=True)
@@ -126,7 +128,11 @@ def decode_forward_backward(msg: pb.ForwardBackwardRequest) -> DecodedForwardBac
             parts.append(np.frombuffer(raw, dtype=_INT32))
         tokens = np.concatenate(parts, dtype=np.int64) if parts else np.zeros(0, dtype=np.int64)
         inputs = {k: decode_tensor(k, v) for k, v in d.loss_fn_inputs.items()}
-        data.append(DecodedDatum(tokens=tokens, inputs=inputs))
+        try:
+            provenance = decode_provenance(d)
+        except ProvenanceError as e:
+            raise ProtoDecodeError(f"datum {i}: {e}") from e
+        data.append(DecodedDatum(tokens=tokens, inputs=inputs, provenance=provenance))
     config: dict[str, float | str]
     if len(msg.loss_fn_config_v2):
         config = {

@@ -30,6 +30,11 @@ from api_schemas.tinker.proto import encode_forward_backward_result, encode_samp
 JSON, PROTOBUF = "application/json", "application/x-protobuf"
 SAVE_TYPES = {"weights": "save_weights", "sampler_weights": "save_weights_for_sampler",
               "external_weights": "save_weights_external"}
+# What an optim_step answers in `OptimStepResponse.metrics`: the SDK documents the field as "optimization step
+# metrics" and names no key; clients (tinker-cookbook's loops) merge it into their own metric rows, where a counter
+# such as the step number would overwrite their `step` column. So only the step's optimization metrics, never the
+# engine's bookkeeping (its step count travels as `OptimStepResult.step`, for the native protocol).
+OPTIM_STEP_METRICS = ("grad_norm", "grad_clip_coef", "learning_rate")
 
 
 @dataclass(frozen=True)
@@ -66,7 +71,7 @@ def encode_result(kind: ResultKind, output: Output, saved: SavedAs | None = None
         return PROTOBUF, encode_sample_response(output)
     body: dict[str, object]
     if isinstance(output, OptimStepResult):
-        body = {"metrics": output.metrics}
+        body = {"metrics": {k: output.metrics[k] for k in OPTIM_STEP_METRICS if k in output.metrics}}
     elif isinstance(output, ModelReady):
         body = {"model_id": output.model_id, "type": "load_weights" if kind is ResultKind.LOAD else "create_model"}
     elif isinstance(output, SaveResult):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from api_schemas.jobs import Sample, SampleParams, WeightsRef
+from api_schemas.losses import stability_refusal
 from api_schemas.models import ServedModel
 from api_schemas.tinker.sampling import SampleRequest, SamplingParams
 from server.config import Settings
@@ -54,6 +55,8 @@ def sample_params(p: SamplingParams, served: ServedModel, settings: Settings) ->
 
 
 def sample_payload(req: SampleRequest, served: ServedModel, settings: Settings, weights: WeightsRef | None) -> Sample:
+    if req.record_stability_info and (why := stability_refusal()) is not None:
+        raise BadRequest(why)  # the stability records are for stable_reinforce: refused here, before any sampling
     tokens = prompt_tokens(req)
     n = len(tokens)
     if n == 0:

@@ -8,6 +8,7 @@ from api_schemas.models import ServedModel
 from api_schemas.tinker.custom_loss import CustomLossProgram, check_custom_inputs
 from api_schemas.losses import LossSpecError, validate_loss_request
 from api_schemas.tinker.proto import DecodedDatum, DecodedForwardBackward
+from api_schemas.tinker.provenance import ProvenanceError, check_tiling
 from server.errors import BadRequest
 
 
@@ -47,6 +48,11 @@ def check_forward_backward(
                 )
             if not ids_ok:
                 _check_ids(f"datum {i}: target_tokens", targets, served.vocab_size)
+        if d.provenance is not None:
+            try:
+                check_tiling(d.provenance, n, n if targets is None else targets.shape[0])
+            except ProvenanceError as e:
+                raise BadRequest(f"datum {i}: {e}") from e
         for name, arr in d.inputs.items():
             if not finite_ok and arr.dtype.kind == "f" and not np.isfinite(arr).all():
                 raise BadRequest(f"datum {i}: loss_fn_inputs[{name!r}] contains NaN or Inf")

@@ -35,7 +35,10 @@ def test_sft_loop_lowers_loss(server: ServerProcess) -> None:
             fb = tc.forward_backward(data, "cross_entropy")
             opt = tc.optim_step(types.AdamParams(learning_rate=5e-3))
             out = fb.result()
-            opt.result()
+            metrics = opt.result().metrics or {}
+            # the optimization metrics only: no counter a client's metric row would mistake for its own "step"
+            assert set(metrics) == {"grad_norm", "grad_clip_coef", "learning_rate"}, metrics
+            assert metrics["grad_norm"] > 0 and metrics["learning_rate"] == 5e-3
             losses.append(out.metrics["loss:sum"])
             assert len(out.loss_fn_outputs) == len(data)
         assert losses[-1] < losses[0] * 0.8, losses

@@ -41,13 +41,16 @@ It was a bright cold day in April, and the clocks were striking thirteen.
 
 
 def build_tiny_model(
-    folder: Path, *, seed: int = 0, vocab_size: int = 384, num_attention_heads: int = 4, num_key_value_heads: int = 2
+    folder: Path, *, seed: int = 0, vocab_size: int = 384, num_attention_heads: int = 4, num_key_value_heads: int = 2,
+    logit_scale: float = 1.0,
 ) -> Path:
     """Write a tiny Llama causal LM and its tokenizer to ``folder`` and return ``folder``.
 
     Deterministic for given arguments: the tokenizer training is, and the weights come from a seeded generator, so
     two builds give byte-identical tokenizer.json and model weights. The default head_dim is 16; vLLM's CPU attention
-    needs 32 or more, which ``num_attention_heads=2, num_key_value_heads=1`` gives (tests/vllm).
+    needs 32 or more, which ``num_attention_heads=2, num_key_value_heads=1`` gives (tests/vllm). ``logit_scale``
+    multiplies the output head: above 1 the next-token distributions are sharper than the near-uniform ones of a
+    random init (a distillation teacher that differs measurably from a student).
     """
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -75,6 +78,9 @@ def build_tiny_model(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config).to(torch.float32)
+    if logit_scale != 1.0:
+        with torch.no_grad():
+            model.lm_head.weight.mul_(logit_scale)
     model.eval()
     model.save_pretrained(folder, safe_serialization=True)
     return folder

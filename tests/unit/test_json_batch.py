@@ -11,7 +11,7 @@ from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
 from api_schemas.arrays import Array
-from api_schemas.jobs import ResultKind, SampledSequence, SampleResult
+from api_schemas.jobs import OptimStepResult, ResultKind, SampledSequence, SampleResult
 from api_schemas.tinker.json_batch import (
     decode_json_forward_backward,
     forward_backward_output_json,
@@ -100,3 +100,12 @@ def test_json_results_have_the_old_sdks_shapes() -> None:
     assert media == JSON and parsed["sequences"] == [{"stop_reason": "length", "tokens": [4, 5],
                                                       "logprobs": [-0.5, -0.25]}]
     assert parsed["prompt_logprobs"] == [None, -1.5] and parsed["topk_prompt_logprobs"] == [None, [[7, -0.5]]]
+
+
+def test_optim_step_answers_only_optimization_metrics() -> None:
+    """The engine's own bookkeeping never reaches OptimStepResponse.metrics (a "step" key broke the cookbook's rows)."""
+    out = OptimStepResult(metrics={"grad_norm": 2.5, "grad_clip_coef": 1.0, "learning_rate": 1e-3, "step": 7.0},
+                          learning_rate=1e-3, step=7)
+    media, raw = encode_result(ResultKind.OPTIM_STEP, out)
+    assert media == JSON
+    assert json.loads(raw) == {"metrics": {"grad_norm": 2.5, "grad_clip_coef": 1.0, "learning_rate": 1e-3}}

@@ -170,12 +170,7 @@ def adam_step(
     gs, grad_norm = _gradients(params, grads)
     clip_coef = _clip_coef(grad_norm, hp.grad_clip_norm)
     _adam_update(params, gs, state, hp, clip_coef)
-    return {
-        "grad_norm": grad_norm,
-        "grad_clip_coef": clip_coef,
-        "learning_rate": hp.learning_rate,
-        "step": float(state.step),
-    }
+    return {"grad_norm": grad_norm, "grad_clip_coef": clip_coef, "learning_rate": hp.learning_rate}
 
 
 def _gradients(params: list[torch.Tensor], grads: list[torch.Tensor | None] | None, scale: float = 1.0,
