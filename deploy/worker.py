@@ -20,6 +20,7 @@ from deploy.cluster import redis_queue
 from deploy.loop import run_loop
 from deploy.specs import specs_from_settings
 from jobqueue.base import LeaseLost
+from jobqueue.metrics_feed import MetricsPublisher, worker_id
 from jobqueue.redis_queue import RedisQueue
 from jobqueue.resident_limits import ResidentLimitFeed
 from server.config import Settings
@@ -55,8 +56,10 @@ async def serve_worker(settings: Settings, lanes: tuple[str, ...] = LANES) -> in
     queue = redis_queue(settings)
     runtimes, _failed, feed = await asyncio.to_thread(build_cluster_runtimes, specs_from_settings(settings), queue,
                                                       lanes, settings.skip_failed_models)
+    # this process's metrics reach the gateways' /metrics through Redis (jobqueue/metrics_feed.py)
+    publisher = MetricsPublisher(queue.client, queue.keys, worker_id("worker"), settings.metrics_publish_seconds)
     loops: list[tuple[Callable[[], Awaitable[None]], Callable[[], None]]] = [
-        *(loop for rt in runtimes for loop in rt.loops()), (feed.run, feed.stop)]
+        *(loop for rt in runtimes for loop in rt.loops()), (feed.run, feed.stop), (publisher.run, publisher.stop)]
     tasks = [asyncio.create_task(run()) for run, _ in loops]
     stopping = asyncio.create_task(stop.wait())
     code = 0

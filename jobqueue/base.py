@@ -109,6 +109,13 @@ class GatewayQueue(Protocol):
     async def health(self) -> Health:
         """Whether the queue answers; never raises (a failure is `ok=False` with the reason)."""
 
+    async def depth(self, queue_names: Sequence[str]) -> dict[str, int]:
+        """Per queue name: the jobs queued that no worker has taken yet (the `twinkle_queue_depth` metric)."""
+
+    async def worker_metrics(self) -> dict[str, bytes]:
+        """{worker id: Prometheus text} that separate worker processes published (jobqueue/metrics_feed.py);
+        empty when the workers share this process."""
+
     async def close(self) -> None:
         """Release the queue's connections and background tasks."""
 

@@ -94,6 +94,12 @@ class Keys:
         return f"{self.prefix}:quota:resident"
 
     @property
+    def metrics(self) -> str:
+        """Hash: worker id -> "<expiry unix time>\n<Prometheus text>" of one worker process's registry, rewritten by
+        it every few seconds (jobqueue/metrics_feed.py); the gateways' /metrics read it, expired fields pruned."""
+        return f"{self.prefix}:metrics"
+
+    @property
     def done_channel(self) -> str:
         """Pub/sub channel: "j:<job_id>" when a result is stored, "f:<feed>" when a feed gets an event."""
         return f"{self.prefix}:done"

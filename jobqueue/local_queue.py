@@ -164,6 +164,12 @@ class LocalQueue(GatewayQueue, WorkerQueue):
     async def health(self) -> Health:
         return Health(ok=True, detail="in-process")
 
+    async def depth(self, queue_names: Sequence[str]) -> dict[str, int]:
+        return {name: self._pending[name].qsize() if name in self._pending else 0 for name in queue_names}
+
+    async def worker_metrics(self) -> dict[str, bytes]:
+        return {}  # the workers share this process and its registry
+
     async def close(self) -> None:
         pass
 

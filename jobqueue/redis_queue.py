@@ -19,6 +19,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from api_schemas.jobs import ErrorCategory, Job, JobError, JobResult, JobState, ResultKind
@@ -39,6 +40,7 @@ from jobqueue.base import (
 )
 from jobqueue.heartbeats import Heartbeats
 from jobqueue.keys import GROUP, Keys
+from jobqueue.metrics_feed import read_worker_metrics
 from jobqueue.redis_consumer import StreamConsumer
 from jobqueue.redis_waiters import PushWaiters, Waiter
 
@@ -329,6 +331,25 @@ class RedisQueue(GatewayQueue, WorkerQueue):
         except Exception as e:  # noqa: BLE001 - any failure means not ready; the reason goes in the answer
             return Health(ok=False, detail=f"redis: {type(e).__name__}: {e}"[:300])
         return Health(ok=True, detail="redis", deployments=deployments)
+
+    async def depth(self, queue_names: Sequence[str]) -> dict[str, int]:
+        """Entries of each stream no worker has read yet: acknowledged entries are deleted, so that is the
+        stream's length less the consumer group's pending (read, still running) entries."""
+        out: dict[str, int] = {}
+        for name in queue_names:
+            stream = self.keys.stream(name)
+            length = int(await self.client.xlen(stream))
+            pending = 0
+            if length:
+                try:
+                    pending = int((await self.client.xpending(stream, GROUP))["pending"])
+                except ResponseError:  # no consumer group yet: no worker ever read this stream
+                    pending = 0
+            out[name] = max(0, length - pending)
+        return out
+
+    async def worker_metrics(self) -> dict[str, bytes]:
+        return await read_worker_metrics(self.client, self.keys)
 
     async def release(self) -> None:
         """Give up every lease now (a clean shutdown), so a successor need not wait for it to expire."""

@@ -18,7 +18,7 @@ from api_schemas.hub import HubPusher
 from api_schemas.models import ServedModel
 from jobqueue.base import GatewayQueue
 from jobqueue.storage import CheckpointStorage
-from server.api import health, openai
+from server.api import health, metrics, openai
 from server.api.gate import Gate, default_limit
 from server.api.tinker import bootstrap, futures, models, sampling, sessions, training
 from server.api.native import hub as native_hub
@@ -92,12 +92,15 @@ def create_app(
     for module in (native_manage, native_model, native_sampler, native_processor):  # twinkle_client (api/native/)
         app.include_router(module.router, prefix="/api/v1", tags=["twinkle"])
     app.include_router(health.router)  # /healthz, /readyz (load balancers, docker-compose, Kubernetes)
+    app.include_router(metrics.router)  # /metrics (Prometheus)
 
     # Innermost of the middleware (appended, where add_middleware puts a later one in front): authentication and
     # the body bound of every route, and the per-step routes' fast path (server/api/gate.py).
     app.user_middleware.append(Middleware(Gate, state=app.state, routes=app.router.routes,
                                           limit=default_limit(settings.max_request_bytes),
                                           limits={"/api/v1/create_custom_loss": custom_losses.BODY_LIMIT}))
+
+    app.add_middleware(metrics.HttpMetrics)  # outside the gate: counts every request, the per-step routes too
 
     @app.exception_handler(DomainError)
     async def _domain_error(_: Request, e: DomainError) -> Response:

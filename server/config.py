@@ -59,6 +59,10 @@ class Settings(BaseSettings):
     access_log: bool = False
     # FastAPI's native OpenTelemetry instrumentation (tracing, metrics, logs through the global OTel providers)
     otel_telemetry: bool = False
+    # Prometheus `/metrics` (server/api/metrics.py): open unless a token is set (then `Authorization: Bearer <it>`);
+    # separate workers publish their registries into Redis this often (jobqueue/metrics_feed.py)
+    metrics_token: SecretStr | None = None
+    metrics_publish_seconds: float = Field(5.0, gt=0)
 
     # cluster wiring (redis_url set): see jobqueue/redis_queue.py and deploy/worker.py
     redis_prefix: str = "twinkle"  # every Redis key starts with it (jobqueue/keys.py)

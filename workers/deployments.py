@@ -29,6 +29,7 @@ from ray.serve.handle import DeploymentHandle
 from api_schemas.jobs import ErrorCategory, Job, JobError, JobResult, queue_name
 from jobqueue.base import LeaseLost
 from jobqueue.heartbeats import Heartbeats
+from jobqueue.metrics_feed import MetricsPublisher
 from jobqueue.redis_queue import RedisQueue
 from jobqueue.resident_limits import ResidentLimitFeed
 from workers.runtime import Runtime, StorageSpec, WorkerSpec, hub_pusher
@@ -49,6 +50,7 @@ class WorkerOptions(BaseModel):
     lease_ttl: float = 10.0
     reclaim_idle: float = 30.0
     heartbeat_seconds: float = 2.0
+    metrics_seconds: float = 5.0  # how often the replica publishes its metrics (jobqueue/metrics_feed.py)
 
 
 class _Replica:
@@ -75,6 +77,10 @@ class _Replica:
 
     def _begin_heartbeat(self) -> None:
         self._spawn(self._heartbeat)
+        # the replica's registry reaches the gateways' /metrics through Redis, labelled worker=deployment#replica
+        publisher = MetricsPublisher(self.queue.client, self.queue.keys, f"{self.deployment}#{self.replica}",
+                                     self.opts.metrics_seconds)
+        self._spawn(publisher.run, publisher.stop)
 
     async def _heartbeat(self) -> None:
         ttl = self.opts.heartbeat_seconds * 3

@@ -25,6 +25,7 @@ from typing import Protocol, runtime_checkable
 
 from api_schemas.jobs import ErrorCategory, Job, JobError, JobResult, ReleaseModel
 from jobqueue.base import LeaseLost, WorkerQueue
+from workers import metrics
 from workers.recovery import Recovery
 from workers.scheduler import JobSize, Scheduler, Step
 
@@ -72,6 +73,8 @@ class Dispatcher:
         self.fetch_timeout = fetch_timeout
         self.recovery = recovery
         self._known: set[str] = set()  # models whose durable state this worker has looked up
+        self._taken: dict[str, float] = {}  # job id -> when this worker fetched it (its latency metric)
+        self.base_model = queue_name.split("|", 1)[0]
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="twinkle-compute")
         self._stopping = False
 
@@ -93,6 +96,7 @@ class Dispatcher:
                 continue
             now = time.monotonic()
             for job in jobs:
+                self._taken[job.job_id] = now
                 if job.model_id not in self._known and not isinstance(job.payload, ReleaseModel):
                     await self._recover(job.model_id)
                 rejection = self.scheduler.add(job, now)
@@ -108,6 +112,8 @@ class Dispatcher:
             for job in step.jobs:
                 await self._run(job)
             return
+        if step.merged:
+            metrics.merged_step(self.base_model, list(step.jobs))
         # One hand-over to the compute thread for the whole step: a merged pass, or barrier jobs of several models
         results = await self._run_together(self.engine, step.jobs)
         if not step.merged:
@@ -169,6 +175,9 @@ class Dispatcher:
 
     async def _complete(self, result: JobResult, job: Job | None = None, replay: bool = False) -> None:
         """Acknowledge with the result; retried while the backend is away, since the effect already happened."""
+        taken = self._taken.pop(result.job_id, None)
+        if job is not None and taken is not None:
+            metrics.job_finished(job, result, time.monotonic() - taken)
         delay = 0.1
         while True:
             try:

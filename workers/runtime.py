@@ -214,6 +214,9 @@ class Runtime:
         )
         self.trainer, self.dispatcher = trainer, dispatcher
         self._loops.append((dispatcher.run, dispatcher.stop))
+        from workers.metrics import occupancy
+
+        occupancy.watch(trainer)  # twinkle_adapters{base_model, tier}, read at each scrape
 
     def _build_sample(self, queue: WorkerQueue) -> None:
         from workers.sampling.base import SamplerConfig
@@ -273,11 +276,11 @@ class Runtime:
         if self.dispatcher is not None:
             out["token_budget"] = self.dispatcher.scheduler.token_budget
         if self.trainer is not None:
-            pool = self.trainer.pool
-            tiers: dict[str, int] = {"device": 0, "host": 0, "disk": 0}
-            for adapter in list(pool.adapters.values()):  # a copy: the compute thread may add one meanwhile
-                tiers[adapter.tier] = tiers.get(adapter.tier, 0) + 1
-            cfg = pool.pager.config
+            cfg = self.trainer.pool.pager.config
             out["paging"] = {"device_budget_bytes": cfg.device_budget_bytes,
-                             "host_budget_bytes": cfg.host_budget_bytes, "tiers": tiers}
+                             "host_budget_bytes": cfg.host_budget_bytes, "tiers": self.tiers()}
         return out
+
+    def tiers(self) -> dict[str, int]:
+        """The trainer's adapters per tier (device, host, disk); empty without a trainer."""
+        return self.trainer.pool.tiers() if self.trainer is not None else {}

@@ -31,6 +31,9 @@ from server.auth.credentials import KeyHeaders, authenticate
 from server.errors import DomainError, PayloadTooLarge
 
 
+ROUTE = "twinkle.route"  # scope key: the template of the route a request is for (server/api/metrics.py reads it)
+
+
 @dataclass(frozen=True)
 class BodyLimit:
     size: int
@@ -43,6 +46,7 @@ def default_limit(size: int) -> BodyLimit:
 
 @dataclass(frozen=True)
 class _Rule:
+    path: str  # the route's template (metrics label requests by it, never by their raw path)
     keys: KeyHeaders | None  # None: the route takes no key (health, ...)
     limit: BodyLimit | None  # None: the gate's default
     hot: bool  # a POST to a path the fast path serves
@@ -66,6 +70,7 @@ class Gate:
         if rule is None:  # no such route (FastAPI's 404 / 405), or not a route of ours (docs, openapi.json)
             await self.app(scope, receive, send)
             return
+        scope[ROUTE] = rule.path
         try:
             if rule.keys is not None:
                 ctx = self.state.ctx
@@ -137,7 +142,7 @@ class _Rules:
         self._static: dict[tuple[str, str], _Rule] = {}
         self._patterns: list[tuple[re.Pattern[str], frozenset[str], _Rule]] = []
         for path, methods, dependant in _api_routes(routes):
-            rule = _Rule(_keys(dependant), limits.get(path), "POST" in methods and path in hot)
+            rule = _Rule(path, _keys(dependant), limits.get(path), "POST" in methods and path in hot)
             if "{" in path:
                 self._patterns.append((compile_path(path)[0], frozenset(methods), rule))
                 continue

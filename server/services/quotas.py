@@ -135,6 +135,11 @@ class Admission:
                 return self._hold(_Held(job, dedup_key, feed, tokens, reason, next(self._order)))
         return await self._pass(job, dedup_key, feed, tokens, limits)
 
+    @property
+    def held_count(self) -> int:
+        """Jobs held here right now (the `twinkle_held_jobs` metric)."""
+        return len(self._held)
+
     def paused_reason(self, job_id: str) -> str | None:
         """Why a job is held (retrieve_future reports `paused_rate_limit` with it), or None when it is not."""
         held = self._held.get(job_id)

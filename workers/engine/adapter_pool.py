@@ -84,7 +84,14 @@ class AdapterPool:
     def __init__(self, base: BaseModel, paging: PagingConfig | None = None) -> None:
         self.base = base
         self.adapters: dict[str, Adapter] = {}
-        self.pager = Pager(paging or PagingConfig(), base.layers, base.device)
+        self.pager = Pager(paging or PagingConfig(), base.layers, base.device, model=base.name)
+
+    def tiers(self) -> dict[str, int]:
+        """Adapters per tier (device, host, disk); safe to call from another thread (a copy is counted)."""
+        tiers: dict[str, int] = {"device": 0, "host": 0, "disk": 0}
+        for adapter in list(self.adapters.values()):
+            tiers[adapter.tier] = tiers.get(adapter.tier, 0) + 1
+        return tiers
 
     def get(self, model_id: str) -> Adapter:
         """The model's adapter, on the device and attached to the layers (paged in if it was out)."""

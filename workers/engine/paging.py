@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors.torch import load_file, save_file
 
+from workers import metrics
 from workers.engine.multi_lora import lora_scale
 
 if TYPE_CHECKING:
@@ -117,8 +118,10 @@ def read_spill(adapter: Adapter, path: Path) -> None:
 class Pager:
     """Moves adapters between tiers under the budgets of a PagingConfig; the pool calls it on every use."""
 
-    def __init__(self, config: PagingConfig, layers: dict[str, LoraLinear], device: torch.device) -> None:
+    def __init__(self, config: PagingConfig, layers: dict[str, LoraLinear], device: torch.device,
+                 model: str = "") -> None:
         self.config = config
+        self.model = model  # the base model's name, for the paging metrics (workers/metrics.py)
         self.layers = layers
         self.device = device
         self._clock = 0
@@ -134,20 +137,24 @@ class Pager:
             assert adapter.spill_path is not None
             read_spill(adapter, adapter.spill_path)
             adapter.spill_path, adapter.tier = None, HOST
+            metrics.paged(self.model, DISK, HOST, state_bytes(adapter))
         if adapter.tier == HOST:
             move(adapter, self.device)
             attach_to_layers(adapter, self.layers)
             adapter.tier = DEVICE
+            metrics.paged(self.model, HOST, DEVICE, state_bytes(adapter))
         self.touch(adapter)
 
     def to_host(self, adapter: Adapter) -> None:
         detach_from_layers(adapter, self.layers)
         move(adapter, torch.device("cpu"))
         adapter.tier = HOST
+        metrics.paged(self.model, DEVICE, HOST, state_bytes(adapter))
 
     def to_disk(self, adapter: Adapter) -> None:
         adapter.spill_path = write_spill(adapter, self._spill_dir())
         adapter.tier = DISK
+        metrics.paged(self.model, HOST, DISK, state_bytes(adapter))
 
     def _spill_dir(self) -> Path:
         """This process's own folder under spill_dir (removed when the pager goes): spills never outlive it."""

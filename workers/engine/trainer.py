@@ -57,6 +57,10 @@ class Trainer:
         self.store = store
         self._merged = MergedPass(base, self.pool)
 
+    def occupancy(self) -> tuple[str, dict[str, int]]:
+        """(base model, its adapters per tier): the `twinkle_adapters` metric (workers/metrics.py)."""
+        return self.base.name, self.pool.tiers()
+
     def _pool_of(self, model_id: str) -> AdapterPool | FullRuns:
         return self.full if model_id in self.full else self.pool
 

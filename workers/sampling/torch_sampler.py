@@ -22,6 +22,7 @@ import torch
 from transformers import DynamicCache
 
 from api_schemas.jobs import Sample, SampleResult
+from workers import metrics
 from workers.checkpoints.store import CheckpointStore
 from workers.engine.base_model import BaseModel
 from workers.engine.multi_lora import FrozenAdapters
@@ -109,11 +110,13 @@ class TorchSampler(SamplerBackend):
         waiting: list[_Inbound] = []
         active: list[ActiveRequest] = []
         rows: list[Row] = []
+        batch_rows = metrics.SAMPLER_BATCH.labels(self.config.model_name)
         with torch.inference_mode():
             while self._receive(waiting, block=not rows and not waiting):
                 try:
                     waiting = self._admit(waiting, active, rows)
                     if rows:
+                        batch_rows.observe(len(rows))
                         logits = self.batch.decode([r.tokens[-1] for r in rows])
                         self.steps += 1
                         self._advance(rows, logits)

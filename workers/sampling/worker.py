@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from api_schemas.jobs import ErrorCategory, Job, JobError, JobResult, Sample
 from jobqueue.base import WorkerQueue
+from workers import metrics
 from workers.sampling.base import SamplerBackend, SamplerUserError
 
 log = logging.getLogger(__name__)
@@ -44,6 +46,13 @@ class SamplerWorker:
         await self.queue.complete(result)
 
     async def execute(self, job: Job) -> JobResult:
+        """The job's result (never raises but for cancellation); its latency and tokens go to workers/metrics.py."""
+        started = time.monotonic()
+        result = await self._execute(job)
+        metrics.job_finished(job, result, time.monotonic() - started)
+        return result
+
+    async def _execute(self, job: Job) -> JobResult:
         p = job.payload
         try:
             if not isinstance(p, Sample):
