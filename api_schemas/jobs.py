@@ -182,6 +182,8 @@ class Job(Frozen):
     model_id: str
     seq_id: int  # per-model order; 0 for the model's first operation (create / create-via-load)
     payload: Payload
+    # the HTTP request that queued it (jobqueue/logs.py): the worker's log lines about the job carry it too
+    request_id: str | None = None
 
     @property
     def result_kind(self) -> ResultKind:

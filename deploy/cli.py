@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from deploy import tenants_cli
+from deploy.console import key_box, run_gateway
+from jobqueue import logs
 from server.config import Settings
 
 T = TypeVar("T")
@@ -27,9 +28,7 @@ def _serve(args: argparse.Namespace) -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     settings = _settings(args)
-    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    import uvicorn
-
+    logs.configure(settings.log_level, settings.log_format)
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     if settings.backend == "ray":  # deploy the workers on Ray, then run the gateway here
         return _serve_ray(args, settings)
@@ -44,8 +43,7 @@ def _serve(args: argparse.Namespace) -> int:
         app = _built(lambda: build_embedded_app(settings))
     if app is None:
         return 2
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
-                access_log=settings.access_log)
+    run_gateway(app, settings)
     return 0
 
 
@@ -78,8 +76,7 @@ async def _first_key(settings: Settings) -> None:
         await db.create_schema()
         if not await tenants.list_keys(db):
             key, _ = await tenants.create_key(db, "default")
-            print(f"\nFirst start: created tenant 'default' with API key\n\n    {key}\n\n"
-                  "It is shown only now. More: twinkle-server keys create --tenant NAME\n", file=sys.stderr)
+            print("\n" + key_box("default", key) + "\n", file=sys.stderr, flush=True)
     finally:
         await db.close()
 
@@ -88,7 +85,7 @@ def _worker(args: argparse.Namespace) -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     settings = _settings(args)
-    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure(settings.log_level, settings.log_format)
     if not settings.redis_url:
         print("error: the worker needs TWINKLE_REDIS_URL or --redis-url", file=sys.stderr)
         return 2
@@ -180,7 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "float64"])
     serve.add_argument("--device")
     serve.add_argument("--sampler", choices=["torch", "vllm"], help="sampler backend (default torch)")
-    serve.add_argument("--log-level", dest="log_level")
+    serve.add_argument("--log-level", dest="log_level", help="INFO by default; debug also shows libraries' logs")
+    serve.add_argument("--log-format", dest="log_format", choices=["text", "json"],
+                       help="json: one JSON object per line, with the request id (TWINKLE_LOG_FORMAT)")
     serve.add_argument("--access-log", dest="access_log", action="store_const", const=True,
                        help="log one line per HTTP request (TWINKLE_ACCESS_LOG; default off)")
     serve.add_argument("--redis-url", dest="redis_url", help="use the Redis queue (cluster wiring)")
@@ -202,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     worker.add_argument("--lanes", help="which queues to serve: train,sample (default both)")
     worker.add_argument("--sampler", choices=["torch", "vllm"], help="sampler backend (default torch)")
     worker.add_argument("--log-level", dest="log_level")
+    worker.add_argument("--log-format", dest="log_format", choices=["text", "json"])
     worker.set_defaults(func=_worker)
 
     migrate = sub.add_parser("migrate", parents=[common], help="apply (or revert) the SQL schema migrations")

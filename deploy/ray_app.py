@@ -178,8 +178,7 @@ def build_ray_gateway_app(settings: Settings) -> FastAPI:
 def serve_ray(settings: Settings, config: RayAppConfig, address: str | None, deploy_app: bool = True) -> int:
     """`twinkle-server serve --backend ray`: deploy (unless someone else does, e.g. KubeRay), then serve the gateway
     until stopped."""
-    import uvicorn
-
+    from deploy.console import run_gateway
     from server.services.secrets import load_secret
 
     settings = apply_limits(settings, config)
@@ -190,8 +189,7 @@ def serve_ray(settings: Settings, config: RayAppConfig, address: str | None, dep
 
         ray.shutdown()  # the application lives on in the cluster; the gateway needs only Redis and SQL
     try:
-        uvicorn.run(build_ray_gateway_app(settings), host=settings.host, port=settings.port,
-                    log_level=settings.log_level.lower(), access_log=settings.access_log)
+        run_gateway(build_ray_gateway_app(settings), settings)
     finally:
         if owns_cluster:
             import ray

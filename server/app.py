@@ -19,6 +19,7 @@ from api_schemas.models import ServedModel
 from jobqueue.base import GatewayQueue
 from jobqueue.storage import CheckpointStorage
 from server.api import health, metrics, openai
+from server.api.observe import Observe
 from server.api.gate import Gate, default_limit
 from server.api.tinker import bootstrap, futures, models, sampling, sessions, training
 from server.api.native import hub as native_hub
@@ -100,7 +101,7 @@ def create_app(
                                           limit=default_limit(settings.max_request_bytes),
                                           limits={"/api/v1/create_custom_loss": custom_losses.BODY_LIMIT}))
 
-    app.add_middleware(metrics.HttpMetrics)  # outside the gate: counts every request, the per-step routes too
+    app.add_middleware(Observe)  # outside the gate: request ids and counts of every request, per-step ones too
 
     @app.exception_handler(DomainError)
     async def _domain_error(_: Request, e: DomainError) -> Response:

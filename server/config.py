@@ -53,7 +53,8 @@ class Settings(BaseSettings):
     native_processor_rows_per_tenant: int = Field(100_000, gt=0)
     native_processor_bytes_per_tenant: int = Field(32 * 1024 * 1024, gt=0)
     auth_cache_seconds: float = Field(5.0, ge=0)  # a revoked key stops working within this many seconds
-    log_level: str = "INFO"
+    log_level: str = "INFO"  # below DEBUG, libraries' INFO logs are off (jobqueue/logs.py)
+    log_format: Literal["text", "json"] = "text"  # json: one object per line, with request ids
     # One log line per HTTP request (uvicorn's access log). Off by default: the SDK's long-polls and heartbeats
     # make it a stream of lines, and its synchronous writes cost the gateway CPU on every request.
     access_log: bool = False

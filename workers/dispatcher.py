@@ -17,6 +17,7 @@ durable state in the queue and its snapshot files; run twice (a redelivery), it 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from typing import Protocol, runtime_checkable
 
 from api_schemas.jobs import ErrorCategory, Job, JobError, JobResult, ReleaseModel
 from jobqueue.base import LeaseLost, WorkerQueue
+from jobqueue.logs import REQUEST_ID
 from workers import metrics
 from workers.recovery import Recovery
 from workers.scheduler import JobSize, Scheduler, Step
@@ -151,11 +153,15 @@ class Dispatcher:
 
     async def _run(self, job: Job) -> None:
         loop = asyncio.get_running_loop()
+        token = REQUEST_ID.set(job.request_id)  # the engine's log lines about this job carry its request id
         try:
-            result = await loop.run_in_executor(self._executor, self.execute, job)
+            context = contextvars.copy_context()  # run_in_executor would not carry it to the compute thread
+            result = await loop.run_in_executor(self._executor, context.run, self.execute, job)
         except Exception:  # execute() reports its own failures; this guards the loop itself
             log.exception("executing %s failed", job.job_id)
             result = _server_error(job)
+        finally:
+            REQUEST_ID.reset(token)
         if isinstance(job.payload, ReleaseModel):
             await self._release(job, result)
             return
@@ -177,7 +183,10 @@ class Dispatcher:
         """Acknowledge with the result; retried while the backend is away, since the effect already happened."""
         taken = self._taken.pop(result.job_id, None)
         if job is not None and taken is not None:
-            metrics.job_finished(job, result, time.monotonic() - taken)
+            seconds = time.monotonic() - taken
+            metrics.job_finished(job, result, seconds)
+            log.debug("job %s (%s of %s) %s in %.3f s", job.job_id, job.payload.kind, job.model_id,
+                      "done" if result.ok else "failed", seconds, extra={"request_id": job.request_id})
         delay = 0.1
         while True:
             try:

@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 from api_schemas.jobs import Job, JobResult, Lane, Payload, ResultKind, Sample, Skip
 from api_schemas.tinker.types import UntypedFuture
 from jobqueue.base import DuplicateJobMismatch, JobInfo
+from jobqueue.logs import REQUEST_ID
 from server.db.models import ModelRow
 from server.errors import BadRequest, DomainError
 from server.services.context import Context
@@ -39,7 +40,7 @@ def feed_name(tenant_id: str, sampling_session_id: str, cloned_sampler_id: int) 
 def new_job(*, tenant_id: str, base_model: str, model_id: str, seq_id: int, payload: Payload,
             lane: Lane = "train") -> Job:
     return Job(job_id=str(uuid.uuid4()), tenant_id=tenant_id, base_model=base_model, lane=lane, model_id=model_id,
-               seq_id=seq_id, payload=payload)
+               seq_id=seq_id, payload=payload, request_id=REQUEST_ID.get())
 
 
 async def submit(ctx: Context, job: Job, dedup_key: str | None = None, feed: str | None = None,

@@ -12,6 +12,7 @@ import time
 
 from api_schemas.jobs import ErrorCategory, Job, JobError, JobResult, Sample
 from jobqueue.base import WorkerQueue
+from jobqueue.logs import REQUEST_ID
 from workers import metrics
 from workers.sampling.base import SamplerBackend, SamplerUserError
 
@@ -48,8 +49,15 @@ class SamplerWorker:
     async def execute(self, job: Job) -> JobResult:
         """The job's result (never raises but for cancellation); its latency and tokens go to workers/metrics.py."""
         started = time.monotonic()
-        result = await self._execute(job)
-        metrics.job_finished(job, result, time.monotonic() - started)
+        token = REQUEST_ID.set(job.request_id)  # log lines about this job carry the request that queued it
+        try:
+            result = await self._execute(job)
+        finally:
+            REQUEST_ID.reset(token)
+        seconds = time.monotonic() - started
+        metrics.job_finished(job, result, seconds)
+        log.debug("job %s (sample of %s) %s in %.3f s", job.job_id, job.model_id, "done" if result.ok else "failed",
+                  seconds, extra={"request_id": job.request_id})
         return result
 
     async def _execute(self, job: Job) -> JobResult:
