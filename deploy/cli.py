@@ -1,4 +1,5 @@
-"""`twinkle-server`: serve, worker (cluster wiring), migrate (SQL schema), and manage tenants' API keys and quotas."""
+"""`twinkle-server`: serve, worker (cluster wiring), migrate (SQL schema), manage tenants' API keys and quotas,
+report usage."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from deploy import tenants_cli
+from deploy import tenants_cli, usage_cli
 from deploy.console import key_box, run_gateway
 from jobqueue import logs
 from server.config import Settings
@@ -218,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     revoke.add_argument("key_id", type=int)
     keys.set_defaults(func=_keys)
     tenants_cli.register(sub, common, _settings)  # `tenants set-quota` / `tenants list`
+    usage_cli.register(sub, common, _settings)  # `usage [--tenant T] [--since ...]`
 
     args = parser.parse_args(argv)
     return int(args.func(args))

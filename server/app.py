@@ -27,6 +27,7 @@ from server.api.native import manage as native_manage
 from server.api.native import model as native_model
 from server.api.native import processor as native_processor
 from server.api.native import sampler as native_sampler
+from server.api.native import usage as native_usage
 from server.api.tinker import checkpoints, custom_losses, downloads, runs
 from server.auth.keys import KeyCache
 from server.config import Settings
@@ -77,6 +78,10 @@ def create_app(
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            try:
+                await ctx.usage.flush(db)  # the last round's token counts
+            except Exception:
+                log.exception("writing the usage counts at shutdown failed")
             await admission.close()
             await queue.close()
             await db.close()
@@ -90,6 +95,7 @@ def create_app(
     for module in (checkpoints, runs, downloads, custom_losses):
         app.include_router(module.router, prefix="/api/v1", tags=["tinker"])
     app.include_router(native_hub.router, prefix="/native/v1", tags=["native"])
+    app.include_router(native_usage.router, prefix="/native/v1", tags=["native"])
     for module in (native_manage, native_model, native_sampler, native_processor):  # twinkle_client (api/native/)
         app.include_router(module.router, prefix="/api/v1", tags=["twinkle"])
     app.include_router(health.router)  # /healthz, /readyz (load balancers, docker-compose, Kubernetes)

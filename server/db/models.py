@@ -7,6 +7,7 @@ from typing import Any
 
 from sqlalchemy import (
     JSON,
+    BigInteger,
     Boolean,
     DateTime,
     ForeignKey,
@@ -210,3 +211,17 @@ class CustomLossRow(Base):
     program: Mapped[dict[str, Any]] = mapped_column(JSON)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     __table_args__ = (UniqueConstraint("session_id", "seq_id"),)
+
+
+class UsageRow(Base):
+    """Tokens one tenant's requests used since the previous row of the same gateway: a gateway's usage meter
+    (server/services/usage.py) writes one row per tenant that used any, every maintenance round. Reports sum them."""
+
+    __tablename__ = "usage"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), index=True)
+    recorded_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)
+    tokens_trained: Mapped[int] = mapped_column(BigInteger, default=0)  # forward_backward datums' tokens
+    tokens_forward: Mapped[int] = mapped_column(BigInteger, default=0)  # forward-only datums' tokens
+    tokens_sampled: Mapped[int] = mapped_column(BigInteger, default=0)  # generated tokens delivered
+    tokens_prefilled: Mapped[int] = mapped_column(BigInteger, default=0)  # sample prompts' tokens

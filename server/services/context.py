@@ -17,6 +17,7 @@ from server.errors import NotFound
 from server.services.native.memory import NativeMemory
 from server.services.quotas import Admission
 from server.services.secrets import Keyring
+from server.services.usage import UsageMeter
 
 RECENT_FUTURE_SECONDS = 60.0  # well inside the queue's result TTL (>= 300 s, server/config.py)
 
@@ -63,6 +64,7 @@ class Context:
     # model id -> its row (owner and LoRA shape never change): training ops skip one SQL round trip each
     model_rows: dict[str, ModelRow] = field(default_factory=dict)
     recent: RecentFutures = field(default_factory=RecentFutures)
+    usage: UsageMeter = field(default_factory=UsageMeter)  # tokens per tenant until written to SQL (usage.py)
     native: NativeMemory = field(default_factory=NativeMemory)  # per-adapter locks of the native protocol
 
     def served(self, base_model: str) -> ServedModel:

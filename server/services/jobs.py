@@ -52,8 +52,10 @@ async def submit(ctx: Context, job: Job, dedup_key: str | None = None, feed: str
         request_id = await ctx.admission.admit(job, dedup_key, feed)
     except DuplicateJobMismatch as e:
         raise BadRequest(f"seq_id {job.seq_id} of {job.model_id} was already used for a different request") from e
-    if future and request_id == job.job_id:  # queued now (not a retry of an older job)
-        ctx.recent.add(request_id, job.tenant_id, job.result_kind)
+    if request_id == job.job_id:  # queued now (not a retry of an older job)
+        ctx.usage.queued(job)
+        if future:
+            ctx.recent.add(request_id, job.tenant_id, job.result_kind)
     return request_id
 
 
@@ -120,7 +122,10 @@ async def info(ctx: Context, request_id: str) -> JobInfo | None:
 
 
 async def wait_result(ctx: Context, request_id: str, timeout: float) -> JobResult | None:
-    return await ctx.admission.wait_result(request_id, timeout)
+    result = await ctx.admission.wait_result(request_id, timeout)
+    if result is not None and result.ok:
+        ctx.usage.delivered(request_id, result)  # a sample's generated tokens count once delivered
+    return result
 
 
 async def cancel(ctx: Context, request_id: str) -> bool:

@@ -1,7 +1,7 @@
 """The gateway's maintenance loop, started in the app lifespan: expire checkpoints past their TTL (files and rows),
 settle saves whose future nobody collected, start the auto-pushes of finished runs, reclaim ephemeral sampler
-weights nobody can use any more, release the models of ended sessions (server/services/release.py) and drop
-their custom losses.
+weights nobody can use any more, release the models of ended sessions (server/services/release.py), drop
+their custom losses and write the usage meter's counts.
 
 Every step is idempotent, so several gateways of a cluster may run the loop side by side.
 """
@@ -26,10 +26,14 @@ async def run_maintenance(ctx: Context) -> None:
         await asyncio.sleep(ctx.settings.maintenance_interval_seconds)
 
 
+async def flush_usage(ctx: Context) -> None:
+    await ctx.usage.flush(ctx.db)  # the tokens counted since the last round (server/services/usage.py)
+
+
 async def maintain_once(ctx: Context) -> None:
     steps = (ckpt.sweep_expired, ckpt.settle_pending, hub_push.trigger_auto_pushes, sampling.reclaim_ephemeral,
              release.release_ended_models, sessions.expire_stale, custom_losses.drop_ended,
-             native_processors.drop_ended)
+             native_processors.drop_ended, flush_usage)
     for step in steps:
         try:
             await step(ctx)
