@@ -168,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--data-dir", dest="data_dir", help="where the database, models and checkpoints live")
     common.add_argument("--database-url", dest="database_url", help="SQLAlchemy URL (default: SQLite in data dir)")
+    common.add_argument("--model-cache-dir", dest="model_cache_dir",
+                        help="converted models, shared by data dirs (default: ~/.cache/twinkle-server/models)")
     parser = argparse.ArgumentParser(prog="twinkle-server", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
 

@@ -17,7 +17,7 @@ MIN_QUOTA_REFRESH_SECONDS = 1.0  # quota_cache_seconds may be 0 (no cache): a wo
 
 def storage_from_settings(settings: Settings) -> StorageSpec:
     return StorageSpec(data_dir=settings.data_dir, location=settings.storage_location,
-                       cache_dir=settings.storage_cache_dir)
+                       cache_dir=settings.storage_cache_dir, model_cache=settings.model_cache_dir)
 
 
 def specs_from_settings(settings: Settings) -> list[WorkerSpec]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -11,12 +12,20 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 DEFAULT_BASE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
+def user_model_cache() -> Path:
+    """Where converted models live for every data dir of this user: $XDG_CACHE_HOME (or ~/.cache)/twinkle-server."""
+    root = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
+    return Path(root).expanduser() / "twinkle-server" / "models"
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TWINKLE_", extra="ignore")
 
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     data_dir: Path = Path("./twinkle-data")
+    # converted models (the default's GGUF conversion), shared by every data dir: converted once per machine
+    model_cache_dir: Path = Field(default_factory=user_model_cache)
     # The served base models: each an HF/ModelScope id or a local HF folder (`--base-model`, repeatable; env:
     # comma-separated). `served_model_name` names them for clients, in the same order (default: the source itself),
     # so a model loaded from a folder is not known by its path. `skip_failed_models`: a model that fails to load is
@@ -127,7 +136,7 @@ class Settings(BaseSettings):
         names = self.served_model_name + self.base_model[len(self.served_model_name):]
         return list(zip(names, self.base_model))
 
-    @field_validator("data_dir")
+    @field_validator("data_dir", "model_cache_dir")
     @classmethod
     def _absolute(cls, v: Path) -> Path:
         return v.expanduser().resolve()

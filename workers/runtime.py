@@ -58,6 +58,11 @@ class StorageSpec(_Frozen):
     data_dir: Path
     location: str
     cache_dir: Path
+    model_cache: Path | None = None  # converted models, shared by data dirs; None: <data dir>/models
+
+    @property
+    def models_dir(self) -> Path:
+        return self.model_cache or self.data_dir / "models"
 
     @property
     def spill_dir(self) -> Path:
@@ -107,11 +112,12 @@ def hub_pusher(storage: StorageSpec, concurrency: int) -> HubPusherPool:
 
 
 def model_folder(spec: WorkerSpec) -> Path:
-    """The local HF folder of the base model (converted or downloaded once into the data dir; blocking)."""
+    """The local HF folder of the base model (converted once per machine into the model cache, or downloaded;
+    blocking)."""
     from workers.engine.model_assets import resolve_base_model
 
     spec.storage.data_dir.mkdir(parents=True, exist_ok=True)
-    return resolve_base_model(spec.model_source, spec.storage.data_dir)
+    return resolve_base_model(spec.model_source, spec.storage.data_dir, spec.storage.models_dir)
 
 
 def served_model(name: str, folder: Path) -> ServedModel:

@@ -140,7 +140,9 @@ def test_failed_conversion_leaves_nothing_behind(tmp_path: Path, monkeypatch: py
     with pytest.raises(RuntimeError, match="killed mid-save"):
         convert_gguf_once(gguf, target)
     assert not target.exists()
-    assert list(target.parent.iterdir()) == []
+    # only the (empty) lock file stays: removing it would race a process waiting on it
+    assert [p.name for p in target.parent.iterdir()] == [".some-model.lock"]
+    assert (target.parent / ".some-model.lock").stat().st_size == 0
 
 
 def test_finished_conversion_is_reused(tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -157,7 +159,7 @@ def test_finished_conversion_is_reused(tiny_model_dir: Path, tmp_path: Path, mon
     assert convert_gguf_once(gguf, target) == target
     assert convert_gguf_once(gguf, target) == target
     assert len(calls) == 1
-    assert sorted(p.name for p in target.parent.iterdir()) == ["some-model"]
+    assert sorted(p.name for p in target.parent.iterdir()) == [".some-model.lock", "some-model"]  # no partials
     assert (target / "model.safetensors").stat().st_mode & 0o044 == 0o044  # readable by other users
 
 

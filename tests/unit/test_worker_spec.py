@@ -22,6 +22,7 @@ SETTINGS = {
     "train_token_budget": 777, "seq_gap_timeout_seconds": 12.0, "snapshot_every_steps": 4, "sampler": "vllm",
     "sampler_max_batch_rows": 9, "sampler_max_loaded_adapters": 5, "max_lora_rank": 16, "hub_push_concurrency": 6,
     "storage_url": "memory://ckpt", "memory_budget_bytes": 10**9, "train_threads": 3,
+    "model_cache_dir": "/models/cache",
 }
 
 
@@ -41,7 +42,7 @@ def test_spec_from_settings_carries_every_field(tmp_path: Path) -> None:
     assert spec.model_dump() == {
         "base_model": "org/some-model", "source": None,
         "storage": {"data_dir": tmp_path.resolve(), "location": "memory://ckpt",
-                    "cache_dir": tmp_path.resolve() / "storage-cache"},
+                    "cache_dir": tmp_path.resolve() / "storage-cache", "model_cache": Path("/models/cache")},
         "dtype": "bfloat16", "device": "cuda:1", "adapter_device_budget_bytes": 12345,
         "adapter_host_budget_bytes": 678, "default_resident_adapters": 3, "quota_refresh_seconds": 7.5,
         "train_token_budget": 777, "seq_gap_timeout": 12.0, "snapshot_every_steps": 4, "sampler": "vllm",

