@@ -1,5 +1,5 @@
 """`twinkle-server`: serve, worker (cluster wiring), migrate (SQL schema), manage tenants' API keys and quotas,
-report usage."""
+report usage, doctor (check what a start needs)."""
 
 from __future__ import annotations
 
@@ -99,6 +99,12 @@ def _worker(args: argparse.Namespace) -> int:
         return 2
     code = _built(lambda: worker_main(settings, lanes))
     return 2 if code is None else code
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from deploy.doctor import run
+
+    return run(_settings(args))
 
 
 def _migrate(args: argparse.Namespace) -> int:
@@ -206,6 +212,14 @@ def main(argv: list[str] | None = None) -> int:
     worker.add_argument("--log-level", dest="log_level")
     worker.add_argument("--log-format", dest="log_format", choices=["text", "json"])
     worker.set_defaults(func=_worker)
+
+    doctor = sub.add_parser("doctor", parents=[common], help="check the database, Redis, Ray, models, disk and port")
+    doctor.add_argument("--host")
+    doctor.add_argument("--port", type=int)
+    _model_arguments(doctor)
+    doctor.add_argument("--redis-url", dest="redis_url")
+    doctor.add_argument("--backend", choices=["embedded", "ray"])
+    doctor.set_defaults(func=_doctor)
 
     migrate = sub.add_parser("migrate", parents=[common], help="apply (or revert) the SQL schema migrations")
     migrate.add_argument("action", nargs="?", choices=["up", "down", "current"], default="up")

@@ -61,7 +61,6 @@ class UsageMeter:
             async with db.session() as s:
                 for tenant, tokens in counts.items():
                     usage_repo.add(s, tenant, tokens)
-                await s.commit()
         except Exception:
             for tenant, tokens in counts.items():
                 for k, v in tokens.items():

