@@ -3,6 +3,7 @@ for conformance and end-to-end tests."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -95,6 +96,7 @@ class WorkerProcess(ManagedProcess):
         with open(self.log_path, "rb") as f:
             f.seek(self._mark)
             lines = f.read().decode(errors="replace").splitlines()
+        lines = [json.loads(line).get("msg", "") if line.startswith("{") else line for line in lines]  # JSON logs too
         return any(self.READY in line and line.endswith("|train") for line in lines)
 
 
