@@ -47,10 +47,10 @@ def _usage(args: argparse.Namespace, settings: Settings) -> int:
             for r in rows:
                 print(json.dumps(r.model_dump(mode="json")))
             return 0
-        print(f"{'tenant':<24} " + " ".join(f"{c:>16}" for c in _COLUMNS))
+        print(f"{'tenant':<24} {'id (metrics label)':<36} " + " ".join(f"{c:>16}" for c in _COLUMNS))
         for r in rows:
             values = [f"{getattr(r, c):>16.3f}" if c == "adapter_hours" else f"{getattr(r, c):>16}" for c in _COLUMNS]
-            print(f"{r.tenant:<24} " + " ".join(values))
+            print(f"{r.tenant:<24} {r.tenant_id:<36} " + " ".join(values))
         return 0
 
     return run_db_command(settings, body)

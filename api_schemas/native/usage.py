@@ -9,6 +9,7 @@ from pydantic import BaseModel
 
 class TenantUsage(BaseModel):
     tenant: str  # the tenant's name
+    tenant_id: str  # its id: the `tenant` label of the per-tenant metrics (/metrics)
     since: datetime | None  # None: since the tenant began
     until: datetime
     tokens_trained: int  # forward_backward datums' tokens (accepted requests)

@@ -80,7 +80,7 @@ async def report(db: Database, tenant: str | None = None, since: datetime | None
             for created, released in await usage_repo.adapter_spans(s, row.id, since):
                 start = max(created, since) if since is not None else created
                 seconds += max(0.0, ((released or now) - start).total_seconds())
-            out.append(TenantUsage(tenant=row.name, since=since, until=now, **tokens,
+            out.append(TenantUsage(tenant=row.name, tenant_id=row.id, since=since, until=now, **tokens,
                                    storage_bytes=await usage_repo.storage_bytes(s, row.id),
                                    adapter_hours=round(seconds / 3600, 6)))
     return out

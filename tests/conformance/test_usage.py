@@ -82,8 +82,9 @@ def test_usage_follows_what_a_tenant_did(usage_server: ServerProcess) -> None:
     line = cli("usage", "--tenant", "usage-one", "--json", data_dir=srv.data_dir, env=srv.env).strip()
     row = json.loads(line)
     assert {k: row[k] for k in expected} == expected and row["storage_bytes"] == got["storage_bytes"]
+    assert row["tenant_id"] == got["tenant_id"] and row["tenant_id"] != other["tenant_id"]
     table = cli("usage", "--since", "1h", data_dir=srv.data_dir, env=srv.env)
-    assert "usage-one" in table and "usage-two" in table and str(trained) in table
+    assert "usage-one" in table and "usage-two" in table and str(trained) in table and got["tenant_id"] in table
 
 
 def test_usage_refusals(usage_server: ServerProcess) -> None:
