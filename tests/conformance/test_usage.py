@@ -52,7 +52,7 @@ def test_usage_follows_what_a_tenant_did(usage_server: ServerProcess) -> None:
         sampler = sc.create_sampling_client(base_model=srv.base_model).result()
         out = sampler.sample(types.ModelInput.from_ints(PROMPT), 3,
                              types.SamplingParams(max_tokens=5, temperature=0.0, stop=[])).result()
-        rest = sc.create_rest_client()
+        rest = tinker.RestClient(base_url=srv.base_url, api_key=srv.key_1)  # type: ignore[attr-defined]
         sizes = [c.size_bytes for c in rest.list_user_checkpoints(limit=100).result().checkpoints]
     trained = sum(len(t) - 1 for t in TRAIN)
     expected = {"tokens_trained": trained, "tokens_forward": len(TRAIN[0]) - 1,
