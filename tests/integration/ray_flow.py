@@ -37,6 +37,7 @@ from tests.support.ray_sdk import (
     Gateway,
     heartbeats,
     hub_push,
+    replica_metrics,
     runtime_budgets,
     sdk_flow,
     session_affinity,
@@ -120,6 +121,7 @@ def run(scenario: str, work: Path) -> list[dict]:
             results.append(runtime_budgets(gateway, redis.url, "raytest", str(model_dir), BUDGET_TOKENS))
         else:
             results.append(flow := sdk_flow(gateway, str(model_dir)))
+            results.append(replica_metrics(gateway, flow))
         if scenario == "two-node":
             results.append(placement(cluster, beats))
         if scenario == "single":

@@ -74,6 +74,7 @@ def test_ray_deployments_ready_and_sdk_flow(single: dict[str, dict]) -> None:
     flow = single["sdk_flow"]
     assert flow["ok"], flow
     assert flow["loss_last"] < flow["loss_first"] * 0.9
+    assert single["metrics"]["ok"], single["metrics"]  # each replica's metrics in the gateway's /metrics
 
 
 def test_ray_hub_push_runs_on_the_pusher_deployment(single: dict[str, dict]) -> None:
@@ -108,3 +109,4 @@ def test_ray_two_nodes_trainer_and_sampler_on_different_nodes(tmp_path: Path) ->
     assert placement["nodes"] == 2 and placement["trainer_node"] != placement["sampler_node"], placement
     assert placement["ok"], placement
     assert checks["sdk_flow"]["ok"], checks["sdk_flow"]
+    assert checks["metrics"]["ok"], checks["metrics"]  # each replica's metrics in the gateway's /metrics

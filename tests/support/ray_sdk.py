@@ -98,7 +98,30 @@ def sdk_flow(gw: Gateway, model: str) -> dict[str, Any]:
     ok = (caps == [model] and losses[-1] < losses[0] * 0.9 and path.endswith("/sampler_weights/ray-e2e")
           and len(seqs) == 2 and all(1 <= len(s.tokens) <= 5 for s in seqs) and len(base_seqs) == 1)
     return {"check": "sdk_flow", "ok": ok, "seconds": round(time.monotonic() - t0, 1), "models": caps, "path": path,
-            "loss_first": losses[0], "loss_last": losses[-1], "sampled": [list(s.tokens) for s in seqs]}
+            "loss_first": losses[0], "loss_last": losses[-1], "sampled": [list(s.tokens) for s in seqs],
+            "sampled_tokens": sum(len(s.tokens) for s in (*seqs, *base_seqs)), "prompt_tokens": 2 * 4}
+
+
+def replica_metrics(gw: Gateway, flow: dict[str, Any], timeout: float = 20.0) -> dict[str, Any]:
+    """The replicas' metrics in the gateway's /metrics (published through Redis, labelled worker=deployment#replica):
+    the sampled and prompt tokens of the flow, and trained tokens from the trainer replica."""
+    from tests.support.prom import scrape
+
+    deadline = time.monotonic() + timeout
+    while True:
+        samples = scrape(gw.base_url)
+        tokens = {(dict(ls)["kind"], dict(ls).get("worker", "")): v for (n, ls), v in samples.items()
+                  if n == "twinkle_tokens_total"}
+        by_kind: dict[str, float] = {}
+        for (kind, _), v in tokens.items():
+            by_kind[kind] = by_kind.get(kind, 0.0) + v
+        ok = (by_kind.get("sampled") == flow["sampled_tokens"] and by_kind.get("prefilled") == flow["prompt_tokens"]
+              and by_kind.get("trained", 0) > 0
+              and all(w.startswith("trainer-") for (k, w) in tokens if k == "trained")
+              and all(w.startswith("sampler-") for (k, w) in tokens if k in ("sampled", "prefilled")))
+        if ok or time.monotonic() > deadline:
+            return {"check": "metrics", "ok": ok, "tokens": {f"{k}@{w}": v for (k, w), v in tokens.items()}}
+        time.sleep(0.5)
 
 
 def adapter_state(data_dir: Path, tc: Any, name: str) -> dict[str, Any]:
