@@ -30,16 +30,23 @@ class Observe:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        rid = request_id_from(next((v for k, v in scope["headers"] if k == b"x-request-id"), None))
+        given = None
+        for name, value in scope["headers"]:
+            if name == b"x-request-id":
+                given = value
+                break
+        rid = request_id_from(given)
         token = REQUEST_ID.set(rid)
         status = 500  # an exception escaping the app is answered 500 by the outermost layer
-        started = time.perf_counter()
+        started = time.perf_counter() if log.isEnabledFor(logging.DEBUG) else 0.0
 
         async def sending(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                message["headers"] = [*message.get("headers", ()), (b"x-request-id", rid.encode())]
+                headers = message.get("headers")
+                message["headers"] = [*headers, (b"x-request-id", rid.encode())] if headers else \
+                    [(b"x-request-id", rid.encode())]
             await send(message)
 
         try:
@@ -47,7 +54,7 @@ class Observe:
         finally:
             route = scope.get(ROUTE) or _fastapi_route(scope)
             metrics.count_request(route, scope["method"], status, scope.get(TENANT))
-            if log.isEnabledFor(logging.DEBUG):
+            if started:
                 log.debug("%s %s -> %d in %.1f ms", scope["method"], route, status,
                           (time.perf_counter() - started) * 1000)
             REQUEST_ID.reset(token)
