@@ -51,7 +51,16 @@ def run_gateway(app: Any, settings: Settings) -> None:
                 print("\n" + ready_box(_url(settings, bound), [n for n, _ in settings.served_models]) + "\n",
                       file=sys.stderr, flush=True)
 
-    logging.getLogger("uvicorn.access").setLevel(logging.INFO)  # shown only with --access-log
+    access = logging.getLogger("uvicorn.access")
+    access.setLevel(logging.INFO)  # shown only with --access-log
+    if settings.log_format == "text":  # uvicorn's own access line (with the status phrase: "429 Too Many Requests")
+        from uvicorn.logging import AccessFormatter
+
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(AccessFormatter("%(asctime)s %(levelname)s %(name)s: %(client_addr)s - "
+                                             '"%(request_line)s" %(status_code)s', use_colors=False))
+        access.addHandler(handler)
+        access.propagate = False
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, log_level=None,
                             access_log=settings.access_log)
     Server(config).run()
