@@ -79,3 +79,18 @@ def test_wait_result_times_out_without_a_result() -> None:
         assert result is not None and result.output == Skipped(reason="ok")
 
     asyncio.run(run())
+
+
+def test_depth_counts_what_no_worker_has_taken() -> None:
+    async def main() -> None:
+        q = LocalQueue()
+        name = TRAIN
+        assert await q.depth([name, "other|sample"]) == {name: 0, "other|sample": 0}
+        for seq in (1, 2, 3):
+            await q.submit(optim("a", seq))
+        assert await q.depth([name]) == {name: 3}
+        assert len(await q.fetch(name, 0)) == 3
+        assert await q.depth([name]) == {name: 0}  # taken: running, no longer queued
+        assert await q.worker_metrics() == {}  # the workers share this process's registry
+
+    asyncio.run(main())
