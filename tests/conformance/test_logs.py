@@ -42,8 +42,9 @@ def test_json_logs_carry_the_request_id_to_the_worker(tmp_path: Path, server_mod
         key = _key(srv.log())
         echoed = httpx.get(f"{srv.base_url}/api/v1/healthz", headers={"X-Request-Id": "trace-42"})
         assert echoed.headers["x-request-id"] == "trace-42"
-        assert len(httpx.get(f"{srv.base_url}/api/v1/healthz", headers={"X-Request-Id": "a b"}).headers[
-            "x-request-id"]) == 32  # not a plain token: a fresh id instead
+        fresh = [httpx.get(f"{srv.base_url}/api/v1/healthz", headers={"X-Request-Id": "a b"}).headers["x-request-id"]
+                 for _ in range(2)]  # not a plain token: a fresh id instead, another each time
+        assert fresh[0] != fresh[1] and all(re.fullmatch(r"[0-9a-f]{20,}", f) for f in fresh), fresh
         with tinker.ServiceClient(base_url=srv.base_url, api_key=key) as sc:
             tc = sc.create_lora_training_client(base_model=srv.base_model, rank=4).result()
             tokens = [3, 8, 13, 21, 34]
