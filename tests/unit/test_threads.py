@@ -36,12 +36,15 @@ def test_each_size_class_keeps_its_fastest_count() -> None:
 
 
 def test_a_class_is_measured_again_after_refresh(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(threads_mod, "REFRESH", 5)
+    now = [1000.0]
+    monkeypatch.setattr(threads_mod.time, "monotonic", lambda: now[0])
     chooser = ThreadChooser(max_threads=2)
     _measure(chooser, 64, {1: 1.0, 2: 2.0})
     for _ in range(5):
         assert chooser.choose(64) == 1
         chooser.record(64, 1, 1.0)
+        now[0] += threads_mod.REFRESH_SECONDS / 10
+    now[0] += threads_mod.REFRESH_SECONDS / 2
     _measure(chooser, 64, {1: 2.0, 2: 1.0})  # the load changed: two threads win now
     assert chooser.choose(64) == 2
 

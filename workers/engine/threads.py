@@ -6,7 +6,8 @@ crossover lies depends on the model and the machine, so it is measured on the re
 passes fall into size classes (powers of two of their padded tokens); while a class is new, its passes take each
 candidate thread count in turn (1, then doubling up to the maximum) until each has run `TRIALS` passes; from then
 on the class runs with the count whose passes took the least time per token (the median of its trials), and
-re-measures the candidates after every `REFRESH` passes of the class, so a change of load is followed.
+re-measures the candidates `REFRESH_SECONDS` after that choice, so a change of load (another process taking a
+core, or leaving it) is followed within minutes whatever the size of the passes.
 
 The count is set on the calling thread only (torch's OpenMP intra-op pool is per thread), so a sampler thread in
 the same process keeps its own. A fixed count (`TWINKLE_TRAIN_THREADS`) turns the choice off.
@@ -23,14 +24,14 @@ from dataclasses import dataclass, field
 import torch
 
 TRIALS = 3  # passes per candidate while measuring a size class
-REFRESH = 500  # passes of a class between two measurements
+REFRESH_SECONDS = 300.0  # how long a class keeps its choice before measuring again
 
 
 @dataclass
 class _SizeClass:
     samples: dict[int, list[float]]  # threads -> seconds per token of its trial passes
     chosen: int | None = None
-    since: int = 0  # passes run with `chosen`
+    chosen_at: float = 0.0  # time.monotonic() of the choice
 
 
 @dataclass
@@ -53,7 +54,7 @@ class ThreadChooser:
         if self.fixed or self.max_threads <= 1:
             return self.fixed or 1
         c = self._class(tokens)
-        if c.chosen is not None and c.since < REFRESH:
+        if c.chosen is not None and time.monotonic() - c.chosen_at < REFRESH_SECONDS:
             return c.chosen
         if c.chosen is not None:  # time to measure again
             c.chosen, c.samples = None, {n: [] for n in self.candidates}
@@ -64,12 +65,11 @@ class ThreadChooser:
             return
         c = self._class(tokens)
         if c.chosen is not None:
-            c.since += 1
             return
         c.samples.setdefault(threads, []).append(seconds / max(tokens, 1))
         if all(len(s) >= TRIALS for s in c.samples.values()):
             c.chosen = min(c.samples, key=lambda n: statistics.median(c.samples[n]))
-            c.since = 0
+            c.chosen_at = time.monotonic()
 
     @contextmanager
     def pass_of(self, tokens: int) -> Iterator[int]:
