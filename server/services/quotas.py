@@ -176,6 +176,10 @@ class Admission:
         self._kick.set()
         return True
 
+    def kick(self) -> None:
+        """Look at the held jobs again now (something they wait for may have been freed)."""
+        self._kick.set()
+
     async def close(self) -> None:
         """Stops releasing; the queue belongs to whoever made it and is not closed here."""
         if self._releaser is not None:

@@ -14,6 +14,7 @@ from server.db import repositories as repo
 from server.db.models import SessionRow, utcnow
 from server.errors import Gone, NotFound
 from server.services.context import Context
+from server.services.release import release_ended_models
 
 
 async def create_session(ctx: Context, tenant_id: str, req: CreateSessionRequest) -> str:
@@ -54,12 +55,18 @@ async def heartbeat(ctx: Context, tenant_id: str, session_id: str) -> None:
 
 
 async def finish(ctx: Context, tenant_id: str, session_id: str, req: FinishSessionRequest) -> None:
+    """End the session; its models are released now (not at the next maintenance round), so what they held (memory,
+    a full-parameter lease) goes to whoever waits for it at once."""
     async with ctx.db.session() as s:
         row = await repo.session_of(s, tenant_id, session_id)
         if row is None:
             raise NotFound(f"session {session_id} not found")
-        if row.finished_at is None:
+        newly = row.finished_at is None
+        if newly:
             row.finished_at, row.finish_reason, row.finish_detail = utcnow(), req.reason.type, req.detail
+    if newly:
+        await release_ended_models(ctx)
+        ctx.admission.kick()  # a create held for the lease or a models limit looks again now
 
 
 async def live_session(ctx: Context, tenant_id: str, session_id: str) -> SessionRow:

@@ -88,3 +88,24 @@ def test_custom_losses_are_capped_per_session_and_dropped_when_it_ends(srv: Serv
     while _post(srv, key, "retrieve_future", {"request_id": loss_id}).status_code != 404:
         assert time.monotonic() < deadline, "the ended session's custom losses were not dropped"
         time.sleep(0.3)
+
+
+def test_finishing_a_session_releases_its_models_at_once(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """No maintenance round in sight (one an hour): the release comes from finish_session itself."""
+    s = ServerProcess(tmp_path, str(tiny_model_dir), env={"TWINKLE_MAINTENANCE_INTERVAL_SECONDS": "3600"})
+    key = s.create_key("tenant-f")
+    s.start()
+    try:
+        with tinker.ServiceClient(base_url=s.base_url, api_key=key) as sc:
+            tc = sc.create_lora_training_client(base_model=s.base_model, rank=4, seed=1).result()
+            tc.forward_backward(batch(), "cross_entropy").result()
+            model_id = tc.model_id
+        deadline = time.monotonic() + 10
+        while True:
+            r = httpx.post(f"{s.base_url}/api/v1/get_info", json={"model_id": model_id}, headers={"X-API-Key": key})
+            if r.status_code == 410 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert r.status_code == 410 and "released when its session ended" in r.text, r.text
+    finally:
+        s.stop()
