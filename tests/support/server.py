@@ -68,9 +68,10 @@ class WorkerProcess(ManagedProcess):
     log_tail = 30000
     READY = "holds the lease of"
 
-    def __init__(self, data_dir: Path, base_model: str, env: dict[str, str]) -> None:
+    def __init__(self, data_dir: Path, base_model: str, env: dict[str, str], args: tuple[str, ...] = ()) -> None:
         self.data_dir = data_dir
         self.base_model = base_model
+        self.args = args  # more `worker` arguments (e.g. more base models, served names)
         self.env = quiet_env(env)
         self.starts = 0
         self._mark = 0
@@ -83,7 +84,7 @@ class WorkerProcess(ManagedProcess):
         self._mark = self.log_path.stat().st_size
         self.starts += 1
         self.launch([sys.executable, "-m", "deploy.cli", "worker", "--data-dir", str(self.data_dir),
-                     "--base-model", self.base_model], self.env)
+                     "--base-model", self.base_model, *self.args], self.env)
         if wait:
             self.wait_ready(timeout)
         return self
