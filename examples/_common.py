@@ -66,5 +66,25 @@ def student_and_teacher(args: argparse.Namespace) -> tuple[str, str]:
     return student, teacher
 
 
+def chat_prompt(tok: Any, question: str) -> list[int]:
+    """A user question, chat-templated for the assistant's answer, as token ids."""
+    text = tok.apply_chat_template([{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True)
+    return list(tok.encode(text, add_special_tokens=False))
+
+
+def distillation_clients(args: argparse.Namespace) -> tuple[Any, Any, Any, list[list[int]]]:
+    """The distillation examples' set-up: (the student's training client, its tokenizer, a sampling client of the
+    teacher base model, the first --prompts PROMPTS chat-templated); sets args.base_model / args.teacher_model to
+    the two models' names."""
+    import tinker
+
+    sc = tinker.ServiceClient(base_url=args.base_url, api_key=require_key(args))
+    args.base_model, args.teacher_model = student_and_teacher(args)
+    tc = sc.create_lora_training_client(base_model=args.base_model, rank=args.rank, seed=args.seed).result()
+    tok = tc.get_tokenizer()
+    teacher = sc.create_sampling_client(base_model=args.teacher_model).result()
+    return tc, tok, teacher, [chat_prompt(tok, q) for q in PROMPTS[:args.prompts]]
+
+
 PROMPTS = ("Describe the sea.", "Write a line about the moon.", "What is a good breakfast?", "Name a color.",
            "Tell me about trees.", "Say something kind.", "How do birds fly?", "What is rain?")

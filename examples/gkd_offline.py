@@ -18,11 +18,9 @@ Last line: {"example": "gkd_offline", "student": ..., "teacher": ..., "first_los
 
 from __future__ import annotations
 
-import tinker
 from tinker import types
 
-from _common import PROMPTS, parser, require_key, student_and_teacher, summary
-from gkd_on_policy import chat_prompt
+from _common import distillation_clients, parser, summary
 
 
 def sft_datum(prompt: list[int], answer: list[int]) -> types.Datum:
@@ -44,18 +42,13 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=2, help="teacher answers per prompt")
     p.add_argument("--max-tokens", type=int, default=24)
     args = p.parse_args()
-    sc = tinker.ServiceClient(base_url=args.base_url, api_key=require_key(args))
-    student, teacher_model = student_and_teacher(args)
-    tc = sc.create_lora_training_client(base_model=student, rank=args.rank, seed=args.seed).result()
-    tok = tc.get_tokenizer()
-    teacher = sc.create_sampling_client(base_model=teacher_model).result()
-    prompts = [chat_prompt(tok, q) for q in PROMPTS[:args.prompts]]
+    tc, tok, teacher, prompts = distillation_clients(args)
     futures = [teacher.sample(types.ModelInput.from_ints(pr), args.samples, types.SamplingParams(
         max_tokens=args.max_tokens, temperature=0.7, seed=args.seed * 1000 + i)) for i, pr in enumerate(prompts)]
     data = [sft_datum(pr, list(seq.tokens)) for pr, fut in zip(prompts, futures)
             for seq in fut.result().sequences if seq.tokens]
     n_tokens = sum(sum(d.loss_fn_inputs["weights"].tolist()) for d in data)
-    print(f"teacher {teacher_model} wrote {len(data)} answers ({int(n_tokens)} tokens)", flush=True)
+    print(f"teacher {args.teacher_model} wrote {len(data)} answers ({int(n_tokens)} tokens)", flush=True)
 
     losses: list[float] = []
     for step in range(args.steps):
@@ -64,7 +57,7 @@ def main() -> None:
         losses.append(fb.result().metrics["loss:sum"] / n_tokens)
         print(f"step {step:3d}  loss {losses[-1]:.4f}", flush=True)
     student_now = tc.save_weights_and_get_sampling_client().result()
-    summary("gkd_offline", student=student, teacher=teacher_model, steps=args.steps, answers=len(data),
+    summary("gkd_offline", student=args.base_model, teacher=args.teacher_model, steps=args.steps, answers=len(data),
             first_loss=losses[0], last_loss=losses[-1], teacher_says=greedy(teacher, tok, prompts[0]),
             student_says=greedy(student_now, tok, prompts[0]))
 

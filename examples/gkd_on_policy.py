@@ -21,15 +21,9 @@ Last line: {"example": "gkd_on_policy", "student": ..., "teacher": ..., "first_k
 from __future__ import annotations
 
 import numpy as np
-import tinker
 from tinker import types
 
-from _common import PROMPTS, parser, require_key, student_and_teacher, summary
-
-
-def chat_prompt(tok, question: str) -> list[int]:  # type: ignore[no-untyped-def]
-    text = tok.apply_chat_template([{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True)
-    return list(tok.encode(text, add_special_tokens=False))
+from _common import distillation_clients, parser, summary
 
 
 def distill_datum(prompt: list[int], seq: types.SampledSequence, teacher_lps: list[float]) -> types.Datum:
@@ -49,12 +43,7 @@ def main() -> None:
     p.add_argument("--group", type=int, default=8, help="samples per prompt")
     p.add_argument("--max-tokens", type=int, default=16)
     args = p.parse_args()
-    sc = tinker.ServiceClient(base_url=args.base_url, api_key=require_key(args))
-    student, teacher_model = student_and_teacher(args)
-    tc = sc.create_lora_training_client(base_model=student, rank=args.rank, seed=args.seed).result()
-    tok = tc.get_tokenizer()
-    teacher = sc.create_sampling_client(base_model=teacher_model).result()
-    prompts = [chat_prompt(tok, q) for q in PROMPTS[:args.prompts]]
+    tc, tok, teacher, prompts = distillation_clients(args)
 
     kls: list[float] = []
     for step in range(args.steps):
@@ -75,7 +64,7 @@ def main() -> None:
         fb.result()
         print(f"step {step:3d}  reverse KL {kls[-1]:.4f}  ({len(diffs)} sampled tokens)", flush=True)
     half = max(1, len(kls) // 2)
-    summary("gkd_on_policy", student=student, teacher=teacher_model, steps=args.steps, first_kl=kls[0],
+    summary("gkd_on_policy", student=args.base_model, teacher=args.teacher_model, steps=args.steps, first_kl=kls[0],
             last_kl=kls[-1], mean_kl_first_half=float(np.mean(kls[:half])),
             mean_kl_second_half=float(np.mean(kls[half:])))
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import uuid
 from collections.abc import Iterator
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.redis_server import RedisServer
+from tests.support.server import ServerProcess, WorkerProcess
 
 DEFAULT_PG = "postgresql://postgres@127.0.0.1:5432/test"
 
@@ -43,6 +45,36 @@ async def _pg_admin(url: str, sql: str) -> None:
         await conn.execute(sql)
     finally:
         await conn.close()
+
+
+@contextlib.contextmanager
+def fresh_database(prefix: str) -> Iterator[str]:
+    """A new, empty Postgres database (a postgresql:// URL), dropped afterwards; skips when Postgres is down."""
+    admin = os.environ.get("TWINKLE_TEST_POSTGRES_URL", DEFAULT_PG)
+    name = f"{prefix}_{uuid.uuid4().hex[:10]}"
+    try:
+        asyncio.run(_pg_admin(admin, f'CREATE DATABASE "{name}"'))
+    except (TimeoutError, OSError) as e:
+        pytest.skip(f"Postgres at {admin} is not reachable: {e}")
+    try:
+        yield f"{admin.rpartition('/')[0]}/{name}"
+    finally:
+        asyncio.run(_pg_admin(admin, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
+@contextlib.contextmanager
+def running(gateway: ServerProcess, worker: WorkerProcess) -> Iterator[None]:
+    """The worker, then the gateway, started; both stopped afterwards; their logs printed if anything failed."""
+    try:
+        worker.start()
+        gateway.start()
+        yield
+    except BaseException:
+        print(f"--- gateway ---\n{gateway.log()}\n--- worker ---\n{worker.log()}")
+        raise
+    finally:
+        gateway.stop()
+        worker.stop()
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ import pytest
 import tinker
 from tinker import types
 
+from tests.integration.conftest import running
 from tests.support.prom import scrape, value
 from tests.support.server import ServerProcess, WorkerProcess
 
@@ -31,9 +32,7 @@ def test_worker_metrics_and_request_ids_cross_redis(tiny_model_dir: Path, redis_
     gateway = ServerProcess(tmp_path, str(tiny_model_dir), env=env)
     worker = WorkerProcess(tmp_path, str(tiny_model_dir), env=env)
     key = gateway.create_key("tenant-m")
-    try:
-        worker.start()
-        gateway.start()
+    with running(gateway, worker):
         with tinker.ServiceClient(base_url=gateway.base_url, api_key=key) as sc:
             tc = sc.create_lora_training_client(base_model=str(tiny_model_dir), rank=4).result()
             tc.forward_backward([types.Datum(model_input=types.ModelInput.from_ints(TOKENS[:-1]), loss_fn_inputs={
@@ -62,9 +61,4 @@ def test_worker_metrics_and_request_ids_cross_redis(tiny_model_dir: Path, redis_
         done = [r for r in _records(worker.log()) if r["logger"] == "workers.dispatcher"
                 and "(forward_backward of" in r["msg"]]
         assert [r.get("request_id") for r in done] == [http[0]["request_id"]]
-    except BaseException:
-        print(f"--- gateway ---\n{gateway.log()}\n--- worker ---\n{worker.log()}")
-        raise
-    finally:
-        gateway.stop()
-        worker.stop()
+

@@ -5,8 +5,6 @@ the served ones."""
 
 from __future__ import annotations
 
-import asyncio
-import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +15,7 @@ import tinker
 from tinker import types
 
 from tests.conformance.test_multi_model import _batch
-from tests.integration.conftest import DEFAULT_PG, _pg_admin
+from tests.integration.conftest import fresh_database, running
 from tests.support.server import ServerProcess, WorkerProcess
 from tests.support.tiny_model import build_tiny_model
 
@@ -27,32 +25,18 @@ NAMES = ("tiny-a", "tiny-b")
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    admin = os.environ.get("TWINKLE_TEST_POSTGRES_URL", DEFAULT_PG)
-    name = f"twinkle_mm_{uuid.uuid4().hex[:10]}"
-    try:
-        asyncio.run(_pg_admin(admin, f'CREATE DATABASE "{name}"'))
-    except (TimeoutError, OSError) as e:
-        pytest.skip(f"Postgres at {admin} is not reachable: {e}")
     root = tmp_path_factory.mktemp("cluster-mm")
     second = build_tiny_model(root / "tiny-b", seed=7, vocab_size=320, num_attention_heads=2, num_key_value_heads=1)
-    env = {"TWINKLE_REDIS_URL": redis_url, "TWINKLE_REDIS_PREFIX": f"mm{uuid.uuid4().hex[:8]}",
-           "TWINKLE_DATABASE_URL": f"{admin.rpartition('/')[0]}/{name}", "TWINKLE_LONG_POLL_SECONDS": "10"}
-    names = ("--served-model-name", NAMES[0], "--base-model", str(second), "--served-model-name", NAMES[1])
-    gateway = ServerProcess(root, str(tiny_model_dir), env=env, args=names)
-    worker = WorkerProcess(root, str(tiny_model_dir), env=env, args=names)
-    try:
+    with fresh_database("twinkle_mm") as database_url:
+        env = {"TWINKLE_REDIS_URL": redis_url, "TWINKLE_REDIS_PREFIX": f"mm{uuid.uuid4().hex[:8]}",
+               "TWINKLE_DATABASE_URL": database_url, "TWINKLE_LONG_POLL_SECONDS": "10"}
+        names = ("--served-model-name", NAMES[0], "--base-model", str(second), "--served-model-name", NAMES[1])
+        gateway = ServerProcess(root, str(tiny_model_dir), env=env, args=names)
+        worker = WorkerProcess(root, str(tiny_model_dir), env=env, args=names)
         gateway.api_key_a = gateway.create_key("tenant-a")  # type: ignore[attr-defined]
         gateway.vocab = {NAMES[0]: 384, NAMES[1]: 320}  # type: ignore[attr-defined]
-        worker.start()
-        gateway.start()
-        yield gateway
-    except BaseException:
-        print(f"--- gateway ---\n{gateway.log()}\n--- worker ---\n{worker.log()}")
-        raise
-    finally:
-        gateway.stop()
-        worker.stop()
-        asyncio.run(_pg_admin(admin, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        with running(gateway, worker):
+            yield gateway
 
 
 def test_one_worker_serves_two_models_each_trains(cluster: ServerProcess) -> None:

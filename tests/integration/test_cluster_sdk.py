@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 from tinker import types
 
-from tests.integration.conftest import DEFAULT_PG, _pg_admin
+from tests.integration.conftest import fresh_database, running
 from tests.support.process import CrashInjector
 from tests.support.server import ServerProcess, WorkerProcess
 from tests.support.sft import batch, sft
@@ -45,29 +45,11 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    import asyncio
-    import os
-
-    admin = os.environ.get("TWINKLE_TEST_POSTGRES_URL", DEFAULT_PG)
-    name = f"twinkle_e2e_{uuid.uuid4().hex[:10]}"
-    try:
-        asyncio.run(_pg_admin(admin, f'CREATE DATABASE "{name}"'))
-    except (TimeoutError, OSError) as e:
-        pytest.skip(f"Postgres at {admin} is not reachable: {e}")
-    c = Cluster(tmp_path_factory.mktemp("cluster"), str(tiny_model_dir), redis_url,
-                f"{admin.rpartition('/')[0]}/{name}")
-    try:
+    with fresh_database("twinkle_e2e") as database_url:
+        c = Cluster(tmp_path_factory.mktemp("cluster"), str(tiny_model_dir), redis_url, database_url)
         c.api_key = c.gateway.create_key("tenant-a")
-        c.worker.start()
-        c.gateway.start()
-        yield c
-    except BaseException:
-        print(c.logs())
-        raise
-    finally:
-        c.gateway.stop()
-        c.worker.stop()
-        asyncio.run(_pg_admin(admin, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        with running(c.gateway, c.worker):
+            yield c
 
 
 @pytest.fixture(autouse=True)
