@@ -19,6 +19,7 @@ from api_schemas.models import ServedModel
 from jobqueue.base import GatewayQueue
 from jobqueue.storage import CheckpointStorage
 from server.api import health, metrics, openai
+from server.api import openapi as openapi_doc
 from server.api.observe import Observe
 from server.api.gate import Gate, default_limit
 from server.api.tinker import bootstrap, futures, models, sampling, sessions, training
@@ -100,6 +101,7 @@ def create_app(
         app.include_router(module.router, prefix="/api/v1", tags=["twinkle"])
     app.include_router(health.router)  # /healthz, /readyz (load balancers, docker-compose, Kubernetes)
     app.include_router(metrics.router)  # /metrics (Prometheus)
+    openapi_doc.install(app)  # every route's error answers in the document (server/api/openapi.py)
 
     # Innermost of the middleware (appended, where add_middleware puts a later one in front): authentication and
     # the body bound of every route, and the per-step routes' fast path (server/api/gate.py).

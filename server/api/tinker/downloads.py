@@ -13,7 +13,8 @@ from server.services import downloads
 router = APIRouter()
 
 
-@router.get("/downloads/{checkpoint_row}/{relpath:path}", response_class=StreamingResponse)
+@router.get("/downloads/{checkpoint_row}/{relpath:path}", response_class=StreamingResponse,
+            responses={200: {"description": "The file", "content": {"application/octet-stream": {}}}})
 async def download_external_weights(
     checkpoint_row: int, relpath: str, ctx: Ctx, expires: Annotated[int, Query()], sig: Annotated[str, Query()]
 ) -> StreamingResponse:
