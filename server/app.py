@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware import Middleware
 
 from api_schemas.hub import HubPusher
@@ -115,6 +116,13 @@ def create_app(
     async def _domain_error(_: Request, e: DomainError) -> Response:
         status, body, headers = e.as_json()
         return Response(body, status_code=status, headers=headers, media_type="application/json")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        # FastAPI's and Starlette's own (a body that is not JSON: 400; no such route: 404; 405) in our body
+        category = "user" if e.status_code < 500 else "server"
+        return JSONResponse({"detail": str(e.detail), "category": category}, status_code=e.status_code,
+                            headers=e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
