@@ -52,9 +52,11 @@ _MODEL = r"/api/v1/model/\{model\}/twinkle/"
 _STORAGE = (403, 503)  # a save or copy past the tenant's storage quota; checkpoint storage not configured
 # path regex -> statuses some routes add to the rule-based ones (first match wins, so put specific ones first).
 EXTRA: list[tuple[str, tuple[int, ...]]] = [
-    (r"/api/v1/(forward_backward|forward|optim_step|load_weights|get_info|create_sampling_session)$", (410,)),
+    # 410: a released model, or a session that has finished
+    (r"/api/v1/(forward_backward|forward|optim_step|load_weights|get_info|create_sampling_session|create_model|"
+     r"create_custom_loss)$", (410,)),
     (r"/api/v1/(save_weights|save_weights_for_sampler|save_weights_external)$", (*_STORAGE, 410)),
-    (r"/api/v1/copy_weights$", _STORAGE),
+    (r"/api/v1/copy_weights$", (*_STORAGE, 410)),
     (r"/api/v1/(session_heartbeat|sessions/\{session_id\}/finish)$", (410,)),
     (r"/api/v1/asample$", (429,)),
     (r"/v1/chat/completions$", (429, 500)),

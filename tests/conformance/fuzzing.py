@@ -3,6 +3,7 @@ with one of several tenants' keys, each answer checked; failures collected (not 
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -35,22 +36,32 @@ class Report:
         return "\n".join([head, *self.failures[:40], "without cases: " + ", ".join(self.ungenerated)])
 
 
-def fuzz(base_url: str, keys: list[str], examples: int, report: Report,
+def fuzz(base_url: str, keys: list[str], examples: int, report: Report, known: dict[str, str] | None = None,
          modes: tuple[GenerationMode, ...] = (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)) -> None:
-    """`examples` cases per operation and generation mode, each sent with one of `keys` (X-API-Key)."""
+    """`examples` cases per operation and generation mode, each sent with one of `keys` (X-API-Key). With
+    `known` (path parameter or top-level body field name -> a real id or path of the first key's tenant), one more
+    positive pass per operation sends those values in place of generated ones, so cases get past the lookups."""
     schema = schemathesis.openapi.from_url(f"{base_url}/openapi.json", timeout=30)
     for result in schema.get_all_operations():
         operation = result.ok()
         for mode in modes:
             _run(operation, mode, base_url, keys, examples, report)
+        if known:
+            _run(operation, GenerationMode.POSITIVE, base_url, keys[:1], examples, report, known)
 
 
 def _run(operation: object, mode: GenerationMode, base_url: str, keys: list[str], examples: int,
-         report: Report) -> None:
+         report: Report, known: dict[str, str] | None = None) -> None:
+    fixed = {name: known[name] for name in re.findall(r"\{(\w+)\}", operation.path)  # type: ignore[attr-defined]
+             if name in known} if known else {}
+    strategy = operation.as_strategy(generation_mode=mode, path_parameters=fixed)  # type: ignore[attr-defined]
+
     @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate])
-    @given(case=operation.as_strategy(generation_mode=mode), key=st.sampled_from(keys))  # type: ignore[attr-defined]
+    @given(case=strategy, key=st.sampled_from(keys))
     def one(case: schemathesis.Case, key: str) -> None:
+        if known and isinstance(case.body, dict):
+            case.body = {k: known.get(k, v) for k, v in case.body.items()}
         headers = {"X-API-Key": key}
         if case.headers:  # a generated key header would replace ours: keep ours, the fuzzer's other headers
             case.headers = {k: v for k, v in case.headers.items()
@@ -69,4 +80,5 @@ def _run(operation: object, mode: GenerationMode, base_url: str, keys: list[str]
     try:
         one()
     except Unsatisfiable:  # e.g. no negative case of a body that takes any bytes (forward_backward's protobuf)
-        report.ungenerated.append(f"{mode.value} {operation.method.upper()} {operation.path}")  # type: ignore[attr-defined]
+        where = f"{operation.method.upper()} {operation.path}"  # type: ignore[attr-defined]
+        report.ungenerated.append(f"{mode.value}{' known ids' if known else ''} {where}")

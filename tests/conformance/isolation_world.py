@@ -54,7 +54,7 @@ def build(server: ServerProcess) -> World:
     url = f"{server.base_url}/api/v1"
     ha = {"X-API-Key": a_key}
     sc = tinker.ServiceClient(base_url=server.base_url, api_key=a_key)
-    tc = sc.create_lora_training_client(base_model=server.base_model, rank=2)
+    tc = sc.create_lora_training_client(base_model=server.base_model, rank=2).result()
     run = tc.model_id
     weights = tc.save_state("s").result().path
     sampler = tc.save_weights_for_sampler("p").result().path
@@ -80,7 +80,7 @@ def build(server: ServerProcess) -> World:
     dataset = {"processor_type": "dataset", "class_type": "Dataset", "dataset_meta": meta([{"query": "q", "response": "r"}])}
     processor = _ok(native.http.post("/processor/twinkle/create", json=dataset))["processor_id"]
     b_sc = tinker.ServiceClient(base_url=server.base_url, api_key=b_key)
-    b_tc = b_sc.create_lora_training_client(base_model=server.base_model, rank=2)
+    b_tc = b_sc.create_lora_training_client(base_model=server.base_model, rank=2).result()
     b_export = b_tc.save_weights_external("e").result().path  # type: ignore[attr-defined]
     b_urls = dict(tinker.RestClient(base_url=server.base_url, api_key=b_key).get_external_weights_urls(b_export)
                   .result().urls)

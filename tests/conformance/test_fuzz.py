@@ -1,7 +1,8 @@
 """Fuzzing: schemathesis over the server's own /openapi.json with two tenants' keys, and protobuf bodies of random
 and truncated bytes. Target: no 5xx, no answer the document does not declare (status, content type, schema).
 
-Bounded: TWINKLE_FUZZ_EXAMPLES cases per operation and generation mode (positive and negative; default 4), on
+Bounded: TWINKLE_FUZZ_EXAMPLES cases per operation and pass (positive, negative, and positive with tenant A's real
+ids and paths in place of generated ones, so cases reach past the lookups; default 4), on
 the tiny model, a server of its own (whatever the fuzzer creates stays there). Run it alone:
     .venv/bin/python -m pytest -q tests/conformance/test_fuzz.py -s     (prints the figures)
 """
@@ -21,6 +22,7 @@ from google.protobuf.message import DecodeError
 from tinker.proto import tinker_public_pb2 as pb
 
 from tests.conformance.fuzzing import Report, fuzz
+from tests.conformance.isolation_world import World, build
 from tests.support.server import ServerProcess
 
 EXAMPLES = int(os.environ.get("TWINKLE_FUZZ_EXAMPLES", "4"))
@@ -37,11 +39,22 @@ def fuzz_server(server_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
     srv.stop()
 
 
+def _known(w: World) -> dict[str, str]:
+    """Tenant A's real ids and paths, by the parameter and body field names the routes use."""
+    run_ckpt = {"run_id": w.run, "model_id": w.run, "kind": "weights", "name": "s", "checkpoint_id": "weights/s"}
+    paths = {k: w.weights for k in ("path", "tinker_path", "source_path", "twinkle_path", "name_or_path")}
+    return {**run_ckpt, **paths, "session_id": w.session, "sampler_id": w.sampling_session,
+            "sampling_session_id": w.sampling_session, "request_id": w.future, "push_id": w.push_id,
+            "provider": "huggingface", "model": w.base_model, "base_model": w.base_model, "model_path": w.sampler,
+            "processor_id": w.processor, "adapter_uri": w.native_path, "loss_id": w.loss_id}
+
+
 def test_schemathesis_finds_no_server_error_and_no_contract_violation(fuzz_server: ServerProcess) -> None:
     report = Report()
-    fuzz(fuzz_server.base_url, [fuzz_server.api_key_a, fuzz_server.api_key_b], EXAMPLES, report)  # type: ignore[attr-defined]
+    keys = [fuzz_server.api_key_a, fuzz_server.api_key_b]  # type: ignore[attr-defined]
+    fuzz(fuzz_server.base_url, keys, EXAMPLES, report, known=_known(build(fuzz_server)))
     print("\nfuzz:", report.summary())
-    assert report.cases >= 100 * EXAMPLES, report.summary()  # ~100 operations x 2 modes: the run reached them all
+    assert report.cases >= 200 * EXAMPLES, report.summary()  # ~100 operations x 3 passes: the run reached them all
     assert fuzz_server.running(), fuzz_server.log()
     assert not report.failures, report.summary()
 

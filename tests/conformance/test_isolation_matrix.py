@@ -29,6 +29,7 @@ from server.config import Settings
 from server.services.downloads import _message
 from server.services.secrets import Keyring, load_secret
 from tests.conformance.isolation_world import ADAM, World, build
+from tests.conformance.openapi_check import Contract
 from tests.conformance.test_custom_loss_http import _body as custom_loss_body
 from tests.conformance.test_custom_loss_http import _graph
 from tests.conformance.test_security import _fb_body
@@ -240,8 +241,14 @@ def world(server: ServerProcess) -> World:
     return build(server)
 
 
+@pytest.fixture(scope="module")
+def contract(server: ServerProcess) -> Contract:
+    return Contract(httpx.get(f"{server.base_url}/openapi.json", timeout=30).json())
+
+
 @pytest.mark.parametrize("route", sorted(CASES), ids=lambda r: f"{r[0]} {r[1]}")
-def test_tenant_b_gets_404_for_tenant_as_ids(server: ServerProcess, world: World, route: tuple[str, str]) -> None:
+def test_tenant_b_gets_404_for_tenant_as_ids(server: ServerProcess, world: World, contract: Contract,
+                                             route: tuple[str, str]) -> None:
     method, _ = route
     key = server.api_key_b  # type: ignore[attr-defined]
     headers = {"X-API-Key": key, "Authorization": f"Bearer {key}"}
@@ -251,6 +258,7 @@ def test_tenant_b_gets_404_for_tenant_as_ids(server: ServerProcess, world: World
                           **kw)
         assert r.status_code == 404, (method, path, kw, r.status_code, r.text[:400])
         assert r.json()["category"] == "user"
+        contract.check(r)  # and the document declares that 404, with its body
     # and A still reads its own run (nothing B sent took it away)
     a = httpx.get(f"{server.base_url}/api/v1/training_runs/{world.run}",
                   headers={"X-API-Key": server.api_key_a}, timeout=30)  # type: ignore[attr-defined]
@@ -264,15 +272,16 @@ def test_hub_tokens_stay_private(server: ServerProcess, world: World) -> None:
         assert r.status_code == 200 and r.json()["configured"] is configured and "hf_a_secret" not in r.text
 
 
-def test_signed_downloads(server: ServerProcess, world: World) -> None:
+def test_signed_downloads(server: ServerProcess, world: World, contract: Contract) -> None:
     url = next(iter(world.urls.values()))
     assert httpx.get(url, timeout=30).status_code == 200  # the URL itself is the permission
     parts = urlsplit(url)
     q = {k: v[0] for k, v in parse_qs(parts.query).items()}
     base = f"{server.base_url}{parts.path}"
     tampered = q["sig"][:-2] + ("00" if not q["sig"].endswith("00") else "11")
-    assert httpx.get(base, params={**q, "sig": tampered}, timeout=30).status_code == 403
+    assert contract.check(httpx.get(base, params={**q, "sig": tampered}, timeout=30)) == 403
     assert httpx.get(base, params={**q, "expires": int(q["expires"]) + 1}, timeout=30).status_code == 403
+    assert contract.check(httpx.get(base, params={**q, "sig": "\u00e9" * 43}, timeout=30)) == 403  # was a 500
     # expired: signed right (with the server's own secret, as the gateway would have) for a moment past
     row, rel = int(parts.path.split("/")[4]), parts.path.split("/", 5)[5]
     with sqlite3.connect(server.data_dir / "twinkle.db") as db:
@@ -281,7 +290,7 @@ def test_signed_downloads(server: ServerProcess, world: World) -> None:
     keys = Keyring(load_secret(Settings(data_dir=server.data_dir)))
     expired = httpx.get(base, params={"expires": past, "sig": keys.sign(_message(row, storage_key, rel, past))},
                         timeout=30)
-    assert expired.status_code == 403 and "expired" in expired.json()["detail"], expired.text
+    assert contract.check(expired) == 403 and "expired" in expired.json()["detail"], expired.text
     b_url = urlsplit(next(iter(world.b_urls.values())))
     b_q = {k: v[0] for k, v in parse_qs(b_url.query).items()}
     a_row = parts.path.split("/")[4]

@@ -64,6 +64,14 @@ def test_real_errors_match_the_document(server: ServerProcess, contract: Contrac
     assert r.json()["errors"] and r.json()["detail"] == "invalid request body"
     expect(422, "POST", "/api/v1/retrieve_future", a, content=b"{not json", headers={"Content-Type": "application/json"})
     expect(422, "GET", "/api/v1/training_runs", a, params={"limit": "many"})
+    # what the fuzzer found as 500s (SQL INTEGER overflows): now refused as they come in
+    expect(422, "GET", "/api/v1/training_runs", a, params={"offset": 2**70})
+    expect(422, "GET", "/api/v1/checkpoints", a, params={"offset": 2**31})
+    expect(400, "GET", "/api/v1/twinkle/training_runs", a, params={"offset": 2**70})
+    expect(422, "GET", f"/api/v1/downloads/{2**70}/x", None, params={"expires": 1, "sig": "x"})
+    for seq in ({"model_seq_id": 2**31}, {"sampling_session_seq_id": 2**70}):
+        path = "/api/v1/create_model" if "model_seq_id" in seq else "/api/v1/create_sampling_session"
+        expect(422, "POST", path, a, json={"session_id": "s", "base_model": server.base_model, **seq})
     # 400: a protobuf body that does not parse, a bad limit, a loss we do not serve
     expect(400, "POST", "/api/v1/forward_backward", a, content=b"\xff\x00garbage",
            headers={"Content-Type": "application/x-protobuf"})
