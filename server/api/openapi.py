@@ -99,10 +99,16 @@ def document_errors(doc: dict[str, Any], authenticated: set[tuple[str, str]]) ->
         for method, op in ops.items():
             responses = op.setdefault("responses", {})
             for status in statuses(path, op, (path, method) in authenticated):
-                ref = "ValidationErrorBody" if status == 422 else "ErrorBody"
-                responses[str(status)] = {"description": _REASONS[status], "content": {
-                    "application/json": {"schema": {"$ref": f"#/components/schemas/{ref}"}}}}
+                responses[str(status)] = {"description": _REASONS[status], "content": _body(status)}
+            for status, answer in responses.items():  # a route's own error statuses (e.g. /metrics' 401)
+                if status[0] in "45" and "content" not in answer:
+                    answer["content"] = _body(int(status))
     return doc
+
+
+def _body(status: int) -> dict[str, Any]:
+    ref = "ValidationErrorBody" if status == 422 else "ErrorBody"
+    return {"application/json": {"schema": {"$ref": f"#/components/schemas/{ref}"}}}
 
 
 def statuses(path: str, op: dict[str, Any], authenticated: bool) -> list[int]:

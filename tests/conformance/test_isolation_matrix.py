@@ -202,6 +202,7 @@ NO_ID: dict[tuple[str, str], str] = {
     ("GET", "/api/v1/training_runs"): "lists the caller's own (and published)",
     ("GET", "/api/v1/sessions"): "lists the caller's own", ("POST", "/api/v1/sessions/search"): "the caller's own",
     ("GET", "/api/v1/billing/usage/checkpoints/current"): "the caller's own usage",
+    ("GET", "/native/v1/usage"): "the caller's own usage", ("GET", "/metrics"): "server-wide counts (its own token)",
     ("GET", "/api/v1/twinkle/capacity_info"): "the caller's own", ("GET", "/api/v1/twinkle/training_runs"): "own",
     ("POST", "/api/v1/twinkle/create_session"): "creates the caller's own",
     ("PUT", "/native/v1/hub/tokens/{provider}"): "writes the caller's own token (provider names a hub)",
