@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware import Middleware
 
 from api_schemas.hub import HubPusher
@@ -19,6 +20,7 @@ from api_schemas.models import ServedModel
 from jobqueue.base import GatewayQueue
 from jobqueue.storage import CheckpointStorage
 from server.api import health, metrics, openai
+from server.api import openapi as openapi_doc
 from server.api.observe import Observe
 from server.api.gate import Gate, default_limit
 from server.api.tinker import bootstrap, futures, models, sampling, sessions, training
@@ -100,6 +102,7 @@ def create_app(
         app.include_router(module.router, prefix="/api/v1", tags=["twinkle"])
     app.include_router(health.router)  # /healthz, /readyz (load balancers, docker-compose, Kubernetes)
     app.include_router(metrics.router)  # /metrics (Prometheus)
+    openapi_doc.install(app)  # every route's error answers in the document (server/api/openapi.py)
 
     # Innermost of the middleware (appended, where add_middleware puts a later one in front): authentication and
     # the body bound of every route, and the per-step routes' fast path (server/api/gate.py).
@@ -113,6 +116,13 @@ def create_app(
     async def _domain_error(_: Request, e: DomainError) -> Response:
         status, body, headers = e.as_json()
         return Response(body, status_code=status, headers=headers, media_type="application/json")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        # FastAPI's and Starlette's own (a body that is not JSON: 400; no such route: 404; 405) in our body
+        category = "user" if e.status_code < 500 else "server"
+        return JSONResponse({"detail": str(e.detail), "category": category}, status_code=e.status_code,
+                            headers=e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Field
 
-from api_schemas.tinker.types import NAME_PATTERN, Request, Response
+from api_schemas.tinker.types import NAME_PATTERN, SQL_INT_LIMIT, Request, Response
 
 CheckpointType = Literal["training", "sampler", "external"]
 SEGMENT_TYPES: dict[str, CheckpointType] = {"weights": "training", "sampler_weights": "sampler",
@@ -85,7 +85,7 @@ class CopyWeightsRequest(Request):
     source_path: str
     destination_project_id: str | None = Field(None, max_length=128)
     session_id: str | None = None
-    model_seq_id: int | None = Field(None, ge=0)
+    model_seq_id: int | None = Field(None, ge=0, lt=SQL_INT_LIMIT)
     ttl_seconds: int | None = None
 
 

@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from api_schemas.tinker.types import SQL_INT_LIMIT
+
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore", protected_namespaces=())
@@ -22,7 +24,7 @@ class _Response(BaseModel):
 
 class CreateSamplingSessionRequest(_Request):
     session_id: str
-    sampling_session_seq_id: int = Field(ge=0)
+    sampling_session_seq_id: int = Field(ge=0, lt=SQL_INT_LIMIT)
     base_model: str | None = None
     model_path: str | None = None
 

@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"  # checkpoint names: no "/", no "..", no spaces
+SQL_INT_LIMIT = 2**31  # the seq ids a model or sampling session is created with are SQL INTEGERs (32 bits in Postgres)
 
 
 class Request(BaseModel):
@@ -64,7 +65,7 @@ class OptimizerConfig(Request):
 
 class CreateModelRequest(Request):
     session_id: str
-    model_seq_id: int = Field(ge=0)
+    model_seq_id: int = Field(ge=0, lt=SQL_INT_LIMIT)
     base_model: str
     user_metadata: dict[str, Any] | None = None
     lora_config: LoraConfig | None = Field(default_factory=LoraConfig)  # null: full-parameter (refused with a 400)
@@ -139,7 +140,7 @@ class SaveWeightsForSamplerRequest(Request):
     model_id: str
     seq_id: int = Field(ge=0)
     path: str | None = Field(None, max_length=256)
-    sampling_session_seq_id: int | None = None
+    sampling_session_seq_id: int | None = Field(None, ge=0, lt=SQL_INT_LIMIT)
     kind: str = "snapshot"
     ttl_seconds: int | None = None
     user_metadata: dict[str, str] | None = None
@@ -150,7 +151,7 @@ class LoadWeightsRequest(Request):
     optimizer: bool = False
     # create-via-load form
     session_id: str | None = None
-    model_seq_id: int | None = Field(None, ge=0)
+    model_seq_id: int | None = Field(None, ge=0, lt=SQL_INT_LIMIT)
     base_model: str | None = None
     user_metadata: dict[str, Any] | None = None
     # legacy model-addressed form

@@ -11,9 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Annotated, Any
 
-from fastapi import Depends, Header, Request
+from fastapi import Depends, Header, Query, Request
 
 from server.auth.credentials import OPENAI_KEY, TINKER_KEY, KeyHeaders, authenticate
+from server.db.models import SQL_INT_MAX
 from server.services.context import Context
 
 TENANT = "twinkle.tenant"  # the scope key the gate leaves the authenticated tenant under
@@ -51,3 +52,4 @@ async def _tenant(request: Request, accepted: KeyHeaders) -> str:
 Ctx = Annotated[Context, Depends(get_ctx)]
 Tenant = Annotated[str, Depends(get_tenant)]
 BearerTenant = Annotated[str, Depends(get_bearer_tenant)]
+Offset = Annotated[int, Query(ge=0, le=SQL_INT_MAX)]  # a list's offset (a larger one overflows SQL: 422)

@@ -141,8 +141,8 @@ class _Rules:
                  hot: Mapping[str, Any]) -> None:
         self._static: dict[tuple[str, str], _Rule] = {}
         self._patterns: list[tuple[re.Pattern[str], frozenset[str], _Rule]] = []
-        for path, methods, dependant in _api_routes(routes):
-            rule = _Rule(path, _keys(dependant), limits.get(path), "POST" in methods and path in hot)
+        for path, methods, dependant in api_routes(routes):
+            rule = _Rule(path, route_keys(dependant), limits.get(path), "POST" in methods and path in hot)
             if "{" in path:
                 self._patterns.append((compile_path(path)[0], frozenset(methods), rule))
                 continue
@@ -172,7 +172,7 @@ def _route_contexts(routes: Sequence[BaseRoute]) -> Iterator[Any]:
     yield from iter_route_contexts(routes)
 
 
-def _api_routes(routes: Sequence[BaseRoute]) -> Iterator[tuple[str, set[str], Dependant]]:
+def api_routes(routes: Sequence[BaseRoute]) -> Iterator[tuple[str, set[str], Dependant]]:
     """Each FastAPI route as (full path, methods, dependant), included routers resolved, in matching order."""
     for context in _route_contexts(routes):
         dependant = getattr(context, "dependant", None)
@@ -180,11 +180,11 @@ def _api_routes(routes: Sequence[BaseRoute]) -> Iterator[tuple[str, set[str], De
             yield context.path, set(context.methods or ()), dependant
 
 
-def _keys(dependant: Dependant) -> KeyHeaders | None:
+def route_keys(dependant: Dependant) -> KeyHeaders | None:
     for sub in dependant.dependencies:
         found = KEY_HEADERS.get(sub.call) if sub.call is not None else None
         if found is None:
-            found = _keys(sub)
+            found = route_keys(sub)
         if found is not None:
             return found
     return None

@@ -21,7 +21,9 @@ async def list_models(ctx: Ctx, tenant: BearerTenant) -> ModelList:
     return await chat.list_models(ctx, tenant)
 
 
-@router.post("/chat/completions", response_model=None)
+@router.post("/chat/completions", response_model=None, responses={200: {
+    "description": "A ChatCompletion, or with `stream` its SSE chunks",
+    "model": ChatCompletion, "content": {"text/event-stream": {}}}})
 async def chat_completions(req: ChatCompletionRequest, ctx: Ctx, tenant: BearerTenant) -> ChatCompletion | StreamingResponse:
     if not req.stream:
         return await chat.complete(ctx, tenant, req)

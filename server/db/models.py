@@ -18,6 +18,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+SQL_INT_MAX = 2**31 - 1  # the largest id, offset or count an INTEGER column or parameter holds (Postgres, SQLite)
+
 
 def utcnow() -> datetime:
     return datetime.now(UTC)

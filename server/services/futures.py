@@ -22,6 +22,7 @@ from server.errors import DomainError, NotFound
 from server.services import checkpoints as ckpt
 from server.services import custom_losses
 from server.services import jobs
+from server.services.sampling import owned_sampler
 from server.services.context import Context
 from server.services.full_param import LEASE_REASON
 from server.services.jobs import feed_name
@@ -67,6 +68,7 @@ def _json(payload: dict) -> FutureAnswer:
 
 async def retrieve_many(ctx: Context, tenant_id: str, req: RetrieveFuturesRequest) -> RetrieveFuturesResponse:
     t = req.target
+    await owned_sampler(ctx, tenant_id, t.sampling_session_id)  # another tenant's (or no) sampling session: 404
     wait = ctx.settings.long_poll_seconds if req.timeout is None else min(req.timeout, ctx.settings.long_poll_seconds)
     page = await ctx.queue.wait_feed(
         feed_name(tenant_id, t.sampling_session_id, t.cloned_sampler_id), req.prev_cursor, wait,

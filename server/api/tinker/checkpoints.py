@@ -18,7 +18,7 @@ from api_schemas.tinker.rest import (
     WeightsInfoResponse,
 )
 from api_schemas.tinker.types import UntypedFuture
-from server.api.deps import Ctx, Tenant
+from server.api.deps import Ctx, Offset, Tenant
 from server.services import checkpoints, downloads, runs, training
 
 router = APIRouter()
@@ -33,7 +33,7 @@ async def list_checkpoints(run_id: str, ctx: Ctx, tenant: Tenant) -> Checkpoints
 @router.get("/checkpoints")
 async def list_user_checkpoints(
     ctx: Ctx, tenant: Tenant, limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-    offset: Annotated[int, Query(ge=0)] = 0,
+    offset: Offset = 0,
 ) -> CheckpointsListResponse:
     return await checkpoints.list_tenant(ctx, tenant, limit, offset)
 

@@ -18,7 +18,10 @@ from server.services import futures
 router = APIRouter()
 
 
-@router.post("/retrieve_future")
+@router.post("/retrieve_future", responses={200: {"description": "The result (protobuf for forward/backward "
+                                                   "outputs and samples unless Accept asks for JSON only), a "
+                                                   "try_again or a failed-future body",
+                                                   "content": {"application/json": {}, "application/x-protobuf": {}}}})
 async def retrieve_future(req: RetrieveFutureRequest, request: Request, ctx: Ctx, tenant: Tenant) -> Response:
     answer = await futures.retrieve(ctx, tenant, req.request_id, request.headers.get("accept"))
     return Response(content=answer.body, media_type=answer.media_type)

@@ -18,12 +18,11 @@ from api_schemas.tinker.rest import (
     TrainingRun,
     TrainingRunsResponse,
 )
-from server.api.deps import Ctx, Tenant
+from server.api.deps import Ctx, Offset, Tenant
 from server.services import runs, session_queries
 
 router = APIRouter()
 Limit = Annotated[int, Query(ge=1, le=1000)]
-Offset = Annotated[int, Query(ge=0)]
 Scope = Literal["owned", "accessible"]
 
 

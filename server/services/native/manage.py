@@ -13,6 +13,7 @@ from typing import Any
 
 from api_schemas.tinker.types import CreateSessionRequest
 from server.db import repositories as repo
+from server.db.models import SQL_INT_MAX
 from server.errors import BadRequest, Gone, NotFound
 from server.services import checkpoints as ckpt
 from server.services import runs, sessions
@@ -78,8 +79,8 @@ def _run(r: dict[str, Any]) -> dict[str, Any]:
 
 
 async def list_runs(ctx: Context, tenant_id: str, limit: int, offset: int) -> dict[str, Any]:
-    if not 1 <= limit <= 1000 or offset < 0:
-        raise BadRequest("limit must be 1-1000 and offset >= 0")
+    if not 1 <= limit <= 1000 or not 0 <= offset <= SQL_INT_MAX:
+        raise BadRequest(f"limit must be 1-1000 and offset 0-{SQL_INT_MAX}")
     page = (await runs.list_runs(ctx, tenant_id, limit, offset, "owned", None)).model_dump(mode="json")
     return {"training_runs": [_run(r) for r in page["training_runs"]], "cursor": page["cursor"]}
 
