@@ -27,7 +27,7 @@ class RunView(BaseModel):
     base_model: str
     lora_rank: int | None  # None: a full-parameter run
     last_request_time: datetime
-    recent: bool  # a request within the session timeout (the run's client may still be training it)
+    live: bool  # not released: its client session has not ended (server/services/release.py)
     last_checkpoint: str | None  # its tinker:// path
     losses: list[LossPointView]  # oldest first; what this gateway delivered (server/services/loss_history.py)
 

@@ -62,7 +62,7 @@ function lossCurve(points) {
 }
 
 function runCard(run) {
-  const badge = run.recent ? el("span", { class: "badge" }, "live") : "";
+  const badge = el("span", { class: run.live ? "badge" : "badge ended" }, run.live ? "live" : "ended");
   return el("div", { class: "run", "data-run": run.run_id },
     el("div", {}, el("code", {}, run.run_id), " ", badge),
     el("div", { class: "meta" }, `${run.base_model} · ${run.lora_rank == null ? "full-parameter" : "LoRA rank " + run.lora_rank}` +
@@ -105,6 +105,15 @@ function serviceSection(svc) {
   return s;
 }
 
+function tenantsSummary(tenants) {
+  const s = el("section", { class: "card", id: "tenants-card" }, el("h2", {}, `Tenants (${tenants.length})`));
+  s.append(table(["tenant", "active keys", "runs", "checkpoints", "tokens trained", "tokens sampled", "storage"],
+    tenants.map((t) => [t.name, num((t.keys || []).filter((k) => !k.revoked).length), num(t.runs_total),
+                        num(t.checkpoints_total), num(t.usage.tokens_trained), num(t.usage.tokens_sampled),
+                        num(bytes(t.usage.storage_bytes))]), "tenants"));
+  return s;
+}
+
 function render(data) {
   const operator = data.role === "operator";
   const who = document.getElementById("who");
@@ -112,7 +121,7 @@ function render(data) {
   who.dataset.role = data.role;
   who.hidden = false;
   const svc = document.getElementById("service");
-  svc.replaceChildren(...(operator && data.service ? [serviceSection(data.service)] : []));
+  svc.replaceChildren(...(operator && data.service ? [serviceSection(data.service), tenantsSummary(data.tenants)] : []));
   svc.hidden = !operator;
   document.getElementById("tenants").replaceChildren(...data.tenants.map((t) => tenantSection(t, operator)));
   document.getElementById("updated").textContent = "updated " + new Date().toLocaleTimeString();

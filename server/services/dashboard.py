@@ -1,6 +1,6 @@
 """What the web dashboard shows one key (server/api/dashboard.py), built from the services that own each fact.
 
-Runs come from runs.list_runs, checkpoints from checkpoints.list_tenant, usage from usage.report, keys from
+Runs come from runs.list_runs (and whether each is live, lifecycle_repo.live_run_ids), checkpoints from checkpoints.list_tenant, usage from usage.report, keys from
 tenants.list_keys, each run's loss points from the gateway's LossHistory, and the service's state (queue depth,
 held jobs, adapters per tier) from the same text `/metrics` answers (metrics.render), so the dashboard and a
 Prometheus scrape never disagree, whichever wiring publishes the workers' metrics. A tenant's key sees its own
@@ -8,8 +8,6 @@ tenant only; an operator's key (`keys create --admin`) every tenant, their keys 
 """
 
 from __future__ import annotations
-
-from datetime import UTC, datetime, timedelta
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -25,6 +23,7 @@ from api_schemas.dashboard import (
     TenantView,
 )
 from api_schemas.native.usage import TenantUsage
+from server.db import lifecycle_repo as lrepo
 from server.errors import NotFound
 from server.services import checkpoints, metrics, runs, tenants, usage
 from server.services.context import Context
@@ -52,10 +51,11 @@ async def overview(ctx: Context, tenant_id: str, operator: bool) -> Overview:
 async def _tenant(ctx: Context, u: TenantUsage, keys: list[KeyView] | None) -> TenantView:
     listed = await runs.list_runs(ctx, u.tenant_id, RUNS_SHOWN, 0, "owned", None)
     saved = await checkpoints.list_tenant(ctx, u.tenant_id, CHECKPOINTS_SHOWN, 0)
-    recent_after = datetime.now(UTC) - timedelta(seconds=ctx.settings.session_timeout_seconds)
+    async with ctx.db.session() as s:
+        live = await lrepo.live_run_ids(s, [r.training_run_id for r in listed.training_runs])
     run_views = [RunView(
         run_id=r.training_run_id, base_model=r.base_model, lora_rank=r.lora_rank,
-        last_request_time=r.last_request_time, recent=r.last_request_time >= recent_after,
+        last_request_time=r.last_request_time, live=r.training_run_id in live,
         last_checkpoint=r.last_checkpoint.tinker_path if r.last_checkpoint is not None else None,
         losses=[LossPointView(seq_id=p.seq_id, loss=p.loss, tokens=p.tokens, at=p.at)
                 for p in ctx.losses.of(r.training_run_id)],
