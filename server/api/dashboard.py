@@ -41,7 +41,8 @@ async def asset(name: str) -> Response:
     return FileResponse(STATIC / name, media_type=media_type, headers=_HEADERS)
 
 
-@router.get("/dashboard/api/overview", response_model=Overview)
+@router.get("/dashboard/api/overview", response_model=Overview,
+            responses={401: {"description": "a missing, unknown or revoked API key"}})
 async def overview(ctx: Ctx, tenant_id: Tenant, request: Request, response: Response) -> Overview:
     """What the key may see: its tenant's runs (with loss points), checkpoints and usage; an operator's key every
     tenant, their keys (prefixes only) and the service's queues and adapters."""
