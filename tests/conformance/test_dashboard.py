@@ -1,7 +1,7 @@
 """The web dashboard in headless Chromium (Debian's `chromium`, driven by Playwright): two tenants train with the
 stock tinker SDK; tenant A's key shows A's runs with their loss curves and nothing of B's; the operator's key
 (`keys create --admin`) shows both tenants, their keys by prefix only, the queues and the adapter pool. Every
-request the page makes goes to the gateway itself. Screenshots are saved under the test's tmp dir (and copied to
+request the page makes goes to the gateway itself; a native (twinkle_client) run's steps are drawn too. Screenshots are saved under the test's tmp dir (and copied to
 $TWINKLE_TEST_ARTIFACTS when it is set)."""
 
 from __future__ import annotations
@@ -197,3 +197,23 @@ def test_dashboard_in_chromium(trained: dict[str, Any], tmp_path: Path) -> None:
             browser.close()
     network = [u for u in requested if not u.startswith("data:")]
     assert network and all(u.startswith(srv.base_url + "/dashboard") for u in network), network
+
+
+def test_native_client_steps_are_drawn_too(trained: dict[str, Any]) -> None:
+    """twinkle_client's forward_backward (the native protocol) goes through the same job path: its run gets a point
+    per call, and only its own tenant's key (besides the operator's) sees it."""
+    from tests.support.native_http import Native, rows, setup_adapter
+
+    srv = trained["srv"]
+    key = srv.create_key("dash-native")
+    c = Native(srv, key)
+    setup_adapter(c, gas=1)
+    for _ in range(3):
+        c.ok("forward_backward", inputs=rows(n=2), adapter_name="default")
+        c.ok("clip_grad_and_step", adapter_name="default")
+    (tenant,) = _overview(srv, key).json()["tenants"]
+    (run,) = tenant["runs"]
+    assert tenant["name"] == "dash-native" and run["live"] and len(run["losses"]) == 3
+    assert all(p["loss"] > 0 and p["tokens"] == 24 for p in run["losses"])
+    assert [p["seq_id"] for p in run["losses"]] == sorted(p["seq_id"] for p in run["losses"])
+    assert run["run_id"] not in _overview(srv, trained["keys"]["a"]).text
