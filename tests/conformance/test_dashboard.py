@@ -1,8 +1,8 @@
 """The web dashboard in headless Chromium (Debian's `chromium`, driven by Playwright): two tenants train with the
 stock tinker SDK; tenant A's key shows A's runs with their loss curves and nothing of B's; the operator's key
 (`keys create --admin`) shows both tenants, their keys by prefix only, the queues and the adapter pool. Every
-request the page makes goes to the gateway itself; a native (twinkle_client) run's steps are drawn too. Screenshots are saved under the test's tmp dir (and copied to
-$TWINKLE_TEST_ARTIFACTS when it is set)."""
+request the page makes goes to the gateway itself; a native (twinkle_client) run's steps are drawn too.
+Screenshots are saved under the test's tmp dir (and copied to $TWINKLE_TEST_ARTIFACTS when it is set)."""
 
 from __future__ import annotations
 
