@@ -139,6 +139,10 @@ function showLogin(message) {
 async function refresh() {
   const key = sessionStorage.getItem(KEY);
   if (!key) return showLogin("");
+  if (document.hidden && !document.getElementById("view").hidden) {  // a tab in the background asks for nothing
+    timer = setTimeout(refresh, REFRESH_MS);
+    return;
+  }
   let r;
   try {
     r = await fetch("/dashboard/api/overview", { headers: { "X-API-Key": key }, cache: "no-store" });
