@@ -100,14 +100,6 @@ async def run_visible(s: AsyncSession, tenant_id: str, model_id: str, accessible
     return (await s.execute(q)).scalar_one_or_none()
 
 
-async def live_run_ids(s: AsyncSession, model_ids: Sequence[str]) -> set[str]:
-    """Those of `model_ids` not released (their client session has not ended: server/services/release.py)."""
-    if not model_ids:
-        return set()
-    q = select(ModelRow.id).where(ModelRow.id.in_(list(model_ids)), ModelRow.released_at.is_(None))
-    return set((await s.execute(q)).scalars().all())
-
-
 # --- sessions ---
 async def session_ids(s: AsyncSession, tenant_id: str, limit: int, offset: int) -> list[str]:
     q = select(SessionRow.id).where(SessionRow.tenant_id == tenant_id)

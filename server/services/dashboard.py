@@ -1,6 +1,6 @@
 """What the web dashboard shows one key (server/api/dashboard.py), built from the services that own each fact.
 
-Runs come from runs.list_runs (and whether each is live, lifecycle_repo.live_run_ids), checkpoints from checkpoints.list_tenant, usage from usage.report, keys from
+Runs come from the run listing's query (lifecycle_repo.runs, as runs.list_runs pages it), checkpoints from checkpoints.list_tenant, usage from usage.report, keys from
 tenants.list_keys, each run's loss points from the gateway's LossHistory, and the service's state (queue depth,
 held jobs, adapters per tier) from the same text `/metrics` answers (metrics.render), so the dashboard and a
 Prometheus scrape never disagree, whichever wiring publishes the workers' metrics. A tenant's key sees its own
@@ -25,7 +25,7 @@ from api_schemas.dashboard import (
 from api_schemas.native.usage import TenantUsage
 from server.db import lifecycle_repo as lrepo
 from server.errors import NotFound
-from server.services import checkpoints, metrics, runs, tenants, usage
+from server.services import checkpoints, metrics, tenants, usage
 from server.services.context import Context
 
 RUNS_SHOWN = 50  # per tenant, most recent first
@@ -49,21 +49,28 @@ async def overview(ctx: Context, tenant_id: str, operator: bool) -> Overview:
 
 
 async def _tenant(ctx: Context, u: TenantUsage, keys: list[KeyView] | None) -> TenantView:
-    listed = await runs.list_runs(ctx, u.tenant_id, RUNS_SHOWN, 0, "owned", None)
-    saved = await checkpoints.list_tenant(ctx, u.tenant_id, CHECKPOINTS_SHOWN, 0)
+    """A constant number of queries per tenant, however many runs it has: the run listing's own query
+    (lifecycle_repo.runs, as runs.list_runs pages it) and the tenant's checkpoint listing; a run's last checkpoint is
+    the newest of those listed that belongs to it."""
     async with ctx.db.session() as s:
-        live = await lrepo.live_run_ids(s, [r.training_run_id for r in listed.training_runs])
-    run_views = [RunView(
-        run_id=r.training_run_id, base_model=r.base_model, lora_rank=r.lora_rank,
-        last_request_time=r.last_request_time, live=r.training_run_id in live,
-        last_checkpoint=r.last_checkpoint.tinker_path if r.last_checkpoint is not None else None,
-        losses=[LossPointView(seq_id=p.seq_id, loss=p.loss, tokens=p.tokens, at=p.at)
-                for p in ctx.losses.of(r.training_run_id)],
-    ) for r in listed.training_runs]
+        rows, runs_total = await lrepo.runs(s, u.tenant_id, RUNS_SHOWN, 0, False, None)
+    saved = await checkpoints.list_tenant(ctx, u.tenant_id, CHECKPOINTS_SHOWN, 0)
+    newest: dict[str, str] = {}
+    for c in saved.checkpoints:  # newest first
+        newest.setdefault(c.tinker_path.removeprefix("tinker://").split("/", 1)[0], c.tinker_path)
+    run_views = []
+    for r in rows:
+        last_request = checkpoints.aware(r.last_request_at) or checkpoints.aware(r.created_at)
+        assert last_request is not None
+        run_views.append(RunView(
+            run_id=r.id, base_model=r.base_model, lora_rank=None if r.full_param else r.lora_rank,
+            last_request_time=last_request, live=r.released_at is None, last_checkpoint=newest.get(r.id),
+            losses=[LossPointView(seq_id=p.seq_id, loss=p.loss, tokens=p.tokens, at=p.at) for p in ctx.losses.of(r.id)],
+        ))
     ckpt_views = [CheckpointView(tinker_path=c.tinker_path, kind=c.checkpoint_type, time=c.time,
                                  size_bytes=c.size_bytes, public=c.public) for c in saved.checkpoints]
-    return TenantView(name=u.tenant, tenant_id=u.tenant_id, keys=keys, runs=run_views,
-                      runs_total=listed.cursor.total_count, checkpoints=ckpt_views,
+    return TenantView(name=u.tenant, tenant_id=u.tenant_id, keys=keys, runs=run_views, runs_total=runs_total,
+                      checkpoints=ckpt_views,
                       checkpoints_total=saved.cursor.total_count if saved.cursor is not None else len(ckpt_views),
                       usage=u)
 

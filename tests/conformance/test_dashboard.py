@@ -87,7 +87,7 @@ def test_overview_json_is_per_key(trained: dict[str, Any]) -> None:
     assert a["role"] == "tenant" and a["service"] is None
     assert [t["name"] for t in a["tenants"]] == ["dash-a"]
     (run,) = a["tenants"][0]["runs"]
-    assert run["run_id"] == trained["run_a"]
+    assert run["run_id"] == trained["run_a"] and run["last_checkpoint"] == f"tinker://{trained['run_a']}/weights/a-step3"
     assert [p["loss"] for p in run["losses"]] == trained["losses_a"]
     assert a["tenants"][0]["keys"] is None and trained["run_b"] not in str(a)
     assert [c["tinker_path"] for c in a["tenants"][0]["checkpoints"]] == [f"tinker://{trained['run_a']}/weights/a-step3"]
@@ -99,6 +99,7 @@ def test_overview_json_is_per_key(trained: dict[str, Any]) -> None:
     by_name = {t["name"]: t for t in body["tenants"]}
     assert set(by_name) == {"dash-a", "dash-b", "ops"}
     assert [p["loss"] for p in by_name["dash-b"]["runs"][0]["losses"]] == trained["losses_b"]
+    assert by_name["dash-b"]["runs"][0]["last_checkpoint"] is None and by_name["ops"]["runs"] == []
     assert [k["prefix"] for k in by_name["dash-a"]["keys"]] == [keys["a"][:10]]
     assert by_name["ops"]["keys"][0]["admin"] and not by_name["dash-b"]["keys"][0]["admin"]
     assert by_name["dash-b"]["usage"]["tokens_trained"] == 2 * STEP_TOKENS
