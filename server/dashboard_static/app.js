@@ -23,14 +23,16 @@ function table(headers, rows, cls) {
   const t = el("table", cls ? { class: cls } : {});
   t.append(el("thead", {}, el("tr", {}, ...headers.map((h) => el("th", {}, h)))));
   const body = el("tbody");
-  for (const r of rows) body.append(el("tr", {}, ...r.map((c) => (c instanceof Node && c.tagName === "TD") ? c : el("td", {}, c))));
+  const cell = (c) => (c instanceof Node && c.tagName === "TD" ? c : el("td", {}, c));
+  for (const r of rows) body.append(el("tr", {}, ...r.map(cell)));
   if (!rows.length) body.append(el("tr", {}, el("td", { colspan: headers.length, class: "hint" }, "none")));
   t.append(body);
   return t;
 }
 
 const num = (v) => el("td", { class: "num" }, v);
-const bytes = (n) => (n == null ? "-" : n >= 1e6 ? (n / 1e6).toFixed(1) + " MB" : n >= 1e3 ? (n / 1e3).toFixed(1) + " kB" : n + " B");
+const bytes = (n) => (n == null ? "-" : n >= 1e6 ? (n / 1e6).toFixed(1) + " MB"
+                      : n >= 1e3 ? (n / 1e3).toFixed(1) + " kB" : n + " B");
 const when = (iso) => new Date(iso).toLocaleString();
 
 function lossCurve(points) {
@@ -49,7 +51,8 @@ function lossCurve(points) {
   const n = points.length;
   const x = (i) => P + (n === 1 ? (W - 2 * P) / 2 : (i * (W - 2 * P)) / (n - 1));
   const y = (v) => H - P + 8 - ((v - lo) * (H - 2 * P)) / (hi - lo);
-  svg.append(svgEl("polyline", { points: points.map((p, i) => `${x(i).toFixed(1)},${y(p.loss).toFixed(1)}`).join(" ") }));
+  const coords = points.map((p, i) => `${x(i).toFixed(1)},${y(p.loss).toFixed(1)}`);
+  svg.append(svgEl("polyline", { points: coords.join(" ") }));
   for (const [v, yy] of [[hi, y(hi)], [lo, y(lo)]]) {
     const t = svgEl("text", { x: 2, y: yy + 3 });
     t.textContent = v.toPrecision(3);
@@ -65,7 +68,8 @@ function runCard(run) {
   const badge = el("span", { class: run.live ? "badge" : "badge ended" }, run.live ? "live" : "ended");
   return el("div", { class: "run", "data-run": run.run_id },
     el("div", {}, el("code", {}, run.run_id), " ", badge),
-    el("div", { class: "meta" }, `${run.base_model} · ${run.lora_rank == null ? "full-parameter" : "LoRA rank " + run.lora_rank}` +
+    el("div", { class: "meta" }, `${run.base_model} · ` +
+      (run.lora_rank == null ? "full-parameter" : "LoRA rank " + run.lora_rank) +
       ` · last request ${when(run.last_request_time)}`),
     lossCurve(run.losses),
     el("div", { class: "meta" }, run.last_checkpoint ? "last checkpoint " + run.last_checkpoint : "no checkpoint"));
@@ -117,11 +121,13 @@ function tenantsSummary(tenants) {
 function render(data) {
   const operator = data.role === "operator";
   const who = document.getElementById("who");
-  who.textContent = operator ? `operator (key of ${data.viewer}) · ${data.tenants.length} tenants` : `tenant ${data.viewer}`;
+  who.textContent = operator ? `operator (key of ${data.viewer}) · ${data.tenants.length} tenants`
+                             : `tenant ${data.viewer}`;
   who.dataset.role = data.role;
   who.hidden = false;
   const svc = document.getElementById("service");
-  svc.replaceChildren(...(operator && data.service ? [serviceSection(data.service), tenantsSummary(data.tenants)] : []));
+  const cards = operator && data.service ? [serviceSection(data.service), tenantsSummary(data.tenants)] : [];
+  svc.replaceChildren(...cards);
   svc.hidden = !operator;
   document.getElementById("tenants").replaceChildren(...data.tenants.map((t) => tenantSection(t, operator)));
   document.getElementById("updated").textContent = "updated " + new Date().toLocaleTimeString();

@@ -1,10 +1,11 @@
 """What the web dashboard shows one key (server/api/dashboard.py), built from the services that own each fact.
 
-Runs come from the run listing's query (lifecycle_repo.runs, as runs.list_runs pages it), checkpoints from checkpoints.list_tenant, usage from usage.report, keys from
-tenants.list_keys, each run's loss points from the gateway's LossHistory, and the service's state (queue depth,
-held jobs, adapters per tier) from the same text `/metrics` answers (metrics.render), so the dashboard and a
-Prometheus scrape never disagree, whichever wiring publishes the workers' metrics. A tenant's key sees its own
-tenant only; an operator's key (`keys create --admin`) every tenant, their keys and the service.
+Runs come from the run listing's query (lifecycle_repo.runs, as runs.list_runs pages it), checkpoints from
+checkpoints.list_tenant, usage from usage.report, keys from tenants.list_keys, each run's loss points from the
+gateway's LossHistory, and the service's state (queue depth, held jobs, adapters per tier) from the same text
+`/metrics` answers (metrics.render), so the dashboard and a Prometheus scrape never disagree, whichever wiring
+publishes the workers' metrics. A tenant's key sees its own tenant only; an operator's key (`keys create --admin`)
+every tenant, their keys and the service.
 """
 
 from __future__ import annotations

@@ -87,10 +87,11 @@ def test_overview_json_is_per_key(trained: dict[str, Any]) -> None:
     assert a["role"] == "tenant" and a["service"] is None
     assert [t["name"] for t in a["tenants"]] == ["dash-a"]
     (run,) = a["tenants"][0]["runs"]
-    assert run["run_id"] == trained["run_a"] and run["last_checkpoint"] == f"tinker://{trained['run_a']}/weights/a-step3"
+    saved = f"tinker://{trained['run_a']}/weights/a-step3"
+    assert run["run_id"] == trained["run_a"] and run["last_checkpoint"] == saved
     assert [p["loss"] for p in run["losses"]] == trained["losses_a"]
     assert a["tenants"][0]["keys"] is None and trained["run_b"] not in str(a)
-    assert [c["tinker_path"] for c in a["tenants"][0]["checkpoints"]] == [f"tinker://{trained['run_a']}/weights/a-step3"]
+    assert [c["tinker_path"] for c in a["tenants"][0]["checkpoints"]] == [saved]
     assert a["tenants"][0]["usage"]["tenant"] == "dash-a" and a["tenants"][0]["usage"]["storage_bytes"] > 0
 
     op = _overview(srv, keys["op"])

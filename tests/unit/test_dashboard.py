@@ -93,7 +93,8 @@ def _keys(c: TestClient) -> dict[str, str]:
     db = c.app.state.ctx.db  # type: ignore[attr-defined]
     out = {}
     for name, admin in (("alpha", False), ("beta", False), ("ops", True)):
-        out[name], _ = c.portal.call(lambda n=name, a=admin: create_key(db, n, admin=a))  # type: ignore[union-attr,misc]
+        made = lambda n=name, a=admin: create_key(db, n, admin=a)  # noqa: E731
+        out[name], _ = c.portal.call(made)  # type: ignore[union-attr,misc]
     return out
 
 
