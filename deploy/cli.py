@@ -133,13 +133,14 @@ def _keys(args: argparse.Namespace) -> int:
 
     async def body(db) -> int:  # type: ignore[no-untyped-def]
         if args.keys_cmd == "create":
-            key, key_id = await tenants.create_key(db, args.tenant)
+            key, key_id = await tenants.create_key(db, args.tenant, admin=args.admin)
             print(key)
             print(f"key id {key_id} for tenant {args.tenant!r}; store it now, it is not shown again", file=sys.stderr)
         elif args.keys_cmd == "list":
-            print(f"{'id':>4}  {'tenant':<24} {'prefix':<12} {'created':<26} revoked")
+            print(f"{'id':>4}  {'tenant':<24} {'prefix':<12} {'admin':<6} {'created':<26} revoked")
             for k in await tenants.list_keys(db):
-                print(f"{k.key_id:>4}  {k.tenant:<24} {k.prefix:<12} {k.created_at.isoformat():<26} {k.revoked_at or '-'}")
+                print(f"{k.key_id:>4}  {k.tenant:<24} {k.prefix:<12} {'yes' if k.admin else '-':<6} "
+                      f"{k.created_at.isoformat():<26} {k.revoked_at or '-'}")
         elif args.keys_cmd == "revoke":
             await tenants.revoke(db, args.key_id)
             print(f"revoked key {args.key_id}", file=sys.stderr)
@@ -230,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     keys_sub = keys.add_subparsers(dest="keys_cmd", required=True)
     create = keys_sub.add_parser("create", parents=[common], help="create a key (and the tenant if new); prints the key once")
     create.add_argument("--tenant", required=True)
+    create.add_argument("--admin", action="store_true",
+                        help="an operator's key: the web dashboard (/dashboard) shows it every tenant")
     keys_sub.add_parser("list", parents=[common], help="list keys (prefixes only)")
     revoke = keys_sub.add_parser("revoke", parents=[common], help="revoke a key by id")
     revoke.add_argument("key_id", type=int)

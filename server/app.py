@@ -19,7 +19,7 @@ from api_schemas.hub import HubPusher
 from api_schemas.models import ServedModel
 from jobqueue.base import GatewayQueue
 from jobqueue.storage import CheckpointStorage
-from server.api import health, metrics, openai
+from server.api import dashboard, health, metrics, openai
 from server.api import openapi as openapi_doc
 from server.api.observe import Observe
 from server.api.gate import Gate, default_limit
@@ -102,6 +102,7 @@ def create_app(
         app.include_router(module.router, prefix="/api/v1", tags=["twinkle"])
     app.include_router(health.router)  # /healthz, /readyz (load balancers, docker-compose, Kubernetes)
     app.include_router(metrics.router)  # /metrics (Prometheus)
+    app.include_router(dashboard.router)  # /dashboard (web pages) and /dashboard/api/overview
     openapi_doc.install(app)  # every route's error answers in the document (server/api/openapi.py)
 
     # Innermost of the middleware (appended, where add_middleware puts a later one in front): authentication and

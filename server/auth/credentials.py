@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from server.auth.keys import KeyCache, SessionFactory
+from server.auth.keys import KeyCache, SessionFactory, hash_key
+from server.db import repositories as repo
 from server.errors import Unauthorized
 
 # Headers whose value is `Bearer <key>`; another value in them is no key (a later accepted header may hold one).
@@ -57,3 +58,14 @@ async def authenticate(cache: KeyCache, sessions: SessionFactory, headers: Seque
     if tenant_id is None:
         raise Unauthorized("invalid or revoked API key")
     return tenant_id
+
+
+async def is_operator(sessions: SessionFactory, headers: Sequence[tuple[bytes, bytes]], accepted: KeyHeaders) -> bool:
+    """Whether the request's key (already authenticated) is an operator's (`keys create --admin`). Read from SQL on
+    each call, not cached: only the dashboard asks, and a revoked operator key loses its view at once."""
+    key = api_key(headers, accepted)
+    if not key:
+        return False
+    async with sessions() as s:
+        row = await repo.active_key_by_hash(s, hash_key(key))
+    return row is not None and row.admin

@@ -44,6 +44,8 @@ class ApiKeyRow(Base):
     prefix: Mapped[str] = mapped_column(String(32))  # first characters, to recognise a key in listings
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    # an operator's key (`keys create --admin`): the dashboard shows it every tenant (migration 0010)
+    admin: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
 
 
 class SessionRow(Base):

@@ -14,6 +14,7 @@ from server.config import Settings
 from server.db.database import Database
 from server.db.models import ModelRow
 from server.errors import NotFound
+from server.services.loss_history import LossHistory
 from server.services.native.memory import NativeMemory
 from server.services.quotas import Admission
 from server.services.secrets import Keyring
@@ -65,6 +66,7 @@ class Context:
     model_rows: dict[str, ModelRow] = field(default_factory=dict)
     recent: RecentFutures = field(default_factory=RecentFutures)
     usage: UsageMeter = field(default_factory=UsageMeter)  # tokens per tenant until written to SQL (usage.py)
+    losses: LossHistory = field(default_factory=LossHistory)  # per-run loss points for the dashboard (loss_history.py)
     native: NativeMemory = field(default_factory=NativeMemory)  # per-adapter locks of the native protocol
 
     def served(self, base_model: str) -> ServedModel:

@@ -54,6 +54,7 @@ async def submit(ctx: Context, job: Job, dedup_key: str | None = None, feed: str
         raise BadRequest(f"seq_id {job.seq_id} of {job.model_id} was already used for a different request") from e
     if request_id == job.job_id:  # queued now (not a retry of an older job)
         ctx.usage.queued(job)
+        ctx.losses.queued(job)
         if future:
             ctx.recent.add(request_id, job.tenant_id, job.result_kind)
     return request_id
@@ -125,6 +126,7 @@ async def wait_result(ctx: Context, request_id: str, timeout: float) -> JobResul
     result = await ctx.admission.wait_result(request_id, timeout)
     if result is not None and result.ok:
         ctx.usage.delivered(request_id, result)  # a sample's generated tokens count once delivered
+        ctx.losses.delivered(request_id, result)  # a training step's loss, for the dashboard's curve
     return result
 
 
