@@ -205,7 +205,7 @@ NO_ID: dict[tuple[str, str], str] = {
     ("GET", "/native/v1/usage"): "the caller's own usage", ("GET", "/metrics"): "server-wide counts (its own token)",
     ("GET", "/dashboard"): "the page itself, no data", ("GET", "/dashboard/"): "the page itself, no data",
     ("GET", "/dashboard/static/{name}"): "the page's own files, a fixed list (no tenant data)",
-    ("GET", "/dashboard/api/overview"): "the caller's own; an operator key's: all (tests/conformance/test_dashboard.py)",
+    ("GET", "/dashboard/api/overview"): "the caller's own; an operator key's: all (test_dashboard.py)",
     ("GET", "/api/v1/twinkle/capacity_info"): "the caller's own", ("GET", "/api/v1/twinkle/training_runs"): "own",
     ("POST", "/api/v1/twinkle/create_session"): "creates the caller's own",
     ("PUT", "/native/v1/hub/tokens/{provider}"): "writes the caller's own token (provider names a hub)",
