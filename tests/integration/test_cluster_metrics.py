@@ -32,18 +32,18 @@ def test_worker_metrics_and_request_ids_cross_redis(tiny_model_dir: Path, redis_
     gateway = ServerProcess(tmp_path, str(tiny_model_dir), env=env)
     worker = WorkerProcess(tmp_path, str(tiny_model_dir), env=env)
     key = gateway.create_key("tenant-m")
-    with running(gateway, worker):
+    with running(gateway, worker):  # checked while the session lives: finishing it releases the adapter
         with tinker.ServiceClient(base_url=gateway.base_url, api_key=key) as sc:
             tc = sc.create_lora_training_client(base_model=str(tiny_model_dir), rank=4).result()
             tc.forward_backward([types.Datum(model_input=types.ModelInput.from_ints(TOKENS[:-1]), loss_fn_inputs={
                 "target_tokens": TOKENS[1:], "weights": [1.0] * (len(TOKENS) - 1)})], "cross_entropy").result()
-        deadline = time.monotonic() + 10
-        while True:  # the worker publishes every 0.3 s
-            samples = scrape(gateway.base_url)
-            trained = value(samples, "twinkle_tokens_total", kind="trained")
-            if trained or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
+            deadline = time.monotonic() + 10
+            while True:  # the worker publishes every 0.3 s
+                samples = scrape(gateway.base_url)
+                trained = value(samples, "twinkle_tokens_total", kind="trained")
+                if trained or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
         workers = {dict(ls).get("worker") for (n, ls) in samples if n == "twinkle_tokens_total"}
         assert trained == len(TOKENS) - 1 and len(workers) == 1, samples
         label = workers.pop()
@@ -61,4 +61,3 @@ def test_worker_metrics_and_request_ids_cross_redis(tiny_model_dir: Path, redis_
         done = [r for r in _records(worker.log()) if r["logger"] == "workers.dispatcher"
                 and "(forward_backward of" in r["msg"]]
         assert [r.get("request_id") for r in done] == [http[0]["request_id"]]
-

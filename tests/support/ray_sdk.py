@@ -240,20 +240,21 @@ def runtime_budgets(gw: Gateway, redis_url: str, prefix: str, model: str, token_
     import tinker
 
     t0 = time.monotonic()
+    # checked while the session lives: finishing it releases both adapters (and deletes their spill files)
     with tinker.ServiceClient(base_url=gw.base_url, api_key=gw.api_key) as sc:
         first = sc.create_lora_training_client(base_model=model, rank=4, seed=1)
         sft(first, 2)
         second = sc.create_lora_training_client(base_model=model, rank=4, seed=2)
         losses = sft(second, 2)  # the first adapter is idle now: paged out, to disk
-    info: dict[str, Any] = {}
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:  # the next heartbeat reports the tiers after the last step
-        beats = [b for name, bs in heartbeats(redis_url, prefix).items() if name.startswith("trainer-") for b in bs]
-        info = beats[0]["info"] if beats else {}
-        if info.get("paging", {}).get("tiers", {}).get("disk", 0) >= 1:
-            break
-        time.sleep(0.5)
-    spilled = sorted(p.name for p in (gw.data_dir / "adapter-spill").rglob("*.safetensors"))
+        info: dict[str, Any] = {}
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # the next heartbeat reports the tiers after the last step
+            beats = [b for name, bs in heartbeats(redis_url, prefix).items() if name.startswith("trainer-") for b in bs]
+            info = beats[0]["info"] if beats else {}
+            if info.get("paging", {}).get("tiers", {}).get("disk", 0) >= 1:
+                break
+            time.sleep(0.5)
+        spilled = sorted(p.name for p in (gw.data_dir / "adapter-spill").rglob("*.safetensors"))
     client = redis.Redis.from_url(redis_url)
     try:
         published = {k.decode(): v.decode() for k, v in client.hgetall(f"{prefix}:quota:resident").items()}
