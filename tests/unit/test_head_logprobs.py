@@ -21,9 +21,10 @@ def _reference(hidden, weight, low, up, targets):  # type: ignore[no-untyped-def
     return torch.log_softmax(logits, dim=-1).gather(1, targets)
 
 
+@pytest.mark.parametrize("keep", [False, True], ids=["recompute", "keep"])
 @pytest.mark.parametrize("with_lora", [False, True])
 @pytest.mark.parametrize("chunk", [1, 3, 1000])
-def test_function_matches_log_softmax(with_lora: bool, chunk: int) -> None:
+def test_function_matches_log_softmax(with_lora: bool, chunk: int, keep: bool) -> None:
     g = torch.Generator().manual_seed(0)
     n, h, v, r, k = 11, 8, 50, 3, 2
 
@@ -36,7 +37,7 @@ def test_function_matches_log_softmax(with_lora: bool, chunk: int) -> None:
     upstream = torch.randn(n, k, generator=g, dtype=torch.float64)
     upstream[[1, 4, 5]] = 0  # positions without weight (prompt tokens): skipped by backward, their gradient zero
     inputs = [t for t in (hidden, weight, low, up) if t is not None]
-    got = _TargetLogprobs.apply(hidden, weight, low, up, targets, chunk)
+    got = _TargetLogprobs.apply(hidden, weight, low, up, targets, chunk, keep)
     want = _reference(hidden, weight, low, up, targets)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-9)
     got_grads = torch.autograd.grad((got * upstream).sum(), inputs)
@@ -60,8 +61,11 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> BaseModel:
     return base
 
 
-def _pass(base: BaseModel, chunked: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def _pass(base: BaseModel, chunked: bool, monkeypatch: pytest.MonkeyPatch,
+          keep_floats: int = 0) -> tuple[torch.Tensor, list[torch.Tensor]]:
     monkeypatch.setattr(head_logprobs, "PLAIN_HEAD_TYPES", head_logprobs.PLAIN_HEAD_TYPES if chunked else frozenset())
+    monkeypatch.setattr(head_logprobs, "KEEP_FLOATS", keep_floats)
+    monkeypatch.setattr(head_logprobs, "KEEP_MIN_HIDDEN", 0)  # the tiny model's hidden size is 64
     monkeypatch.setattr(head_logprobs, "CHUNK_FLOATS", 2 * base.vocab_size + 1)  # chunks of 2 positions
     lengths = [7, 3, 5, 7, 2, 6]
     g = torch.Generator().manual_seed(2)
@@ -81,9 +85,10 @@ def _pass(base: BaseModel, chunked: bool, monkeypatch: pytest.MonkeyPatch) -> tu
     return out, [torch.zeros_like(p) if gr is None else gr for gr, p in zip(grads, params)]
 
 
-def test_routed_pass_matches_full_logits(base: BaseModel, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("keep_segments", [0, 2, 99], ids=["recompute", "some-kept", "all-kept"])
+def test_routed_pass_matches_full_logits(base: BaseModel, monkeypatch: pytest.MonkeyPatch, keep_segments: int) -> None:
     assert plain_head(base.model)
-    got, got_grads = _pass(base, True, monkeypatch)
+    got, got_grads = _pass(base, True, monkeypatch, keep_floats=keep_segments * 10 * base.vocab_size)
     want, want_grads = _pass(base, False, monkeypatch)
     assert got.shape == (7 + 3 + 5 + 7 + 2 + 6, 2)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-9)

@@ -7,8 +7,10 @@ vocabulary that traffic is nearly the whole step. Here the head is applied to a 
 one autograd Function:
 - forward: logits of the chunk (the model dtype, as the model would compute them, then float32, or float64 for a
   float64 model), their logsumexp and the targets' logits; only the (positions,) logsumexp is kept;
-- backward: the chunk's logits are recomputed, softmax = exp(logits - lse), and the gradient of the targets' log-probs
-  with respect to the logits is `onehot(t) * g - softmax * sum(g)`, built in place; it flows to the hidden states,
+- backward: the chunk's softmax = exp(logits - lse) is read back (kept by forward while the pass's kept softmax
+  stays within KEEP_FLOATS: held once, never beside the logits) or recomputed (one more head matmul, costly for a
+  wide hidden size), and the gradient of the targets' log-probs with respect to the logits is
+  `onehot(t) * g - softmax * sum(g)`, built chunk by chunk; it flows to the hidden states,
   to the head's weight when it is trained (a full-parameter run) and to the head's LoRA term (train_unembed).
   Positions the loss gives no weight (prompt tokens of SFT and RL) have no gradient and are skipped.
 So at most one chunk of (positions x vocab) floats is alive, never the whole pass, and padding positions cost
@@ -30,7 +32,9 @@ from workers.engine.multi_lora import LoraLinear, head_terms
 
 # model types whose CausalLM forward is `logits = lm_head(model(...).last_hidden_state)`, nothing else
 PLAIN_HEAD_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "smollm3"})
-CHUNK_FLOATS = 1 << 21  # logits floats per chunk (8 MiB in float32)
+CHUNK_FLOATS = 1 << 21  # logits floats per chunk (8 MiB in float32) per 128 of hidden size (wider: bigger matmuls)
+KEEP_FLOATS = 1 << 26  # softmax floats a pass may keep for backward (256 MiB in float32), instead of recomputing
+KEEP_MIN_HIDDEN = 256  # below this hidden size recomputing a chunk's logits is cheaper than keeping its softmax
 
 
 def plain_head(model: nn.Module) -> bool:
@@ -61,15 +65,20 @@ def target_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: t
     head = model.lm_head
     weight = head.base.weight if isinstance(head, LoraLinear) else head.weight
     rows = hidden.shape[0]
-    chunk = max(1, CHUNK_FLOATS // weight.shape[0])
+    vocab, hidden_size = weight.shape
+    chunk = max(1, CHUNK_FLOATS // vocab) * max(1, hidden_size // 128)
     pieces: list[torch.Tensor] = []
+    room = [KEEP_FLOATS if torch.is_grad_enabled() and hidden_size >= KEEP_MIN_HIDDEN else 0]
 
     def segment(start: int, stop: int, low: torch.Tensor | None, up: torch.Tensor | None) -> None:
         if start >= stop:
             return
         k = keep[start:stop]
         lo = None if low is None else low[k]
-        pieces.append(_TargetLogprobs.apply(hidden[start:stop][k], weight, lo, up, targets[start:stop][k], chunk))
+        floats = int(k.sum()) * vocab
+        kept = floats <= room[0]
+        room[0] -= floats if kept else 0
+        pieces.append(_TargetLogprobs.apply(hidden[start:stop][k], weight, lo, up, targets[start:stop][k], chunk, kept))
 
     row = 0
     terms = head_terms(head, hidden) if isinstance(head, LoraLinear) else []
@@ -96,11 +105,12 @@ class _TargetLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, low: torch.Tensor | None,
-                up: torch.Tensor | None, targets: torch.Tensor, chunk: int) -> torch.Tensor:
+                up: torch.Tensor | None, targets: torch.Tensor, chunk: int, keep: bool) -> torch.Tensor:
         wide = wide_dtype(hidden.dtype)
         n = hidden.shape[0]
         out = torch.empty(n, targets.shape[1], dtype=wide, device=hidden.device)
         lse = torch.empty(n, dtype=wide, device=hidden.device)
+        probs = torch.empty(n, weight.shape[0], dtype=wide, device=hidden.device) if keep else None
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
             logits = _logits(hidden[s:e], weight, None if low is None else low[s:e], up, wide)
@@ -110,13 +120,15 @@ class _TargetLogprobs(torch.autograd.Function):
             total = p.sum(dim=1, keepdim=True)
             lse[s:e] = (total.log() + top).squeeze(1)
             out[s:e] = picked - lse[s:e, None]
-        ctx.save_for_backward(hidden, weight, low, up, targets, lse)
+            if probs is not None:
+                torch.div(p, total, out=probs[s:e])
+        ctx.save_for_backward(hidden, weight, low, up, targets, lse, probs)
         ctx.chunk = chunk
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        hidden, weight, low, up, targets, lse = ctx.saved_tensors
+        hidden, weight, low, up, targets, lse, probs = ctx.saved_tensors
         need_h, need_w, need_low, need_up = ctx.needs_input_grad[:4]
         g_h = torch.zeros_like(hidden) if need_h else None
         g_w = torch.zeros_like(weight) if need_w else None
@@ -134,7 +146,10 @@ class _TargetLogprobs(torch.autograd.Function):
             e = min(hidden.shape[0], s + ctx.chunk)
             lo = None if low is None else low[s:e]
             scale = -grad[s:e].sum(1, keepdim=True)
-            d = _logits(hidden[s:e], weight, lo, up, lse.dtype).sub_(lse[s:e, None]).exp_().mul_(scale)  # recomputed
+            if probs is None:  # recomputed: one more head matmul
+                d = _logits(hidden[s:e], weight, lo, up, lse.dtype).sub_(lse[s:e, None]).exp_().mul_(scale)
+            else:  # the kept rows of this chunk (a chunk's copy, never the whole softmax again)
+                d = probs[live[s:e]] * scale
             d.scatter_add_(1, targets[s:e], grad[s:e])  # -softmax * sum(g) + g at the targets: d log p(t) / d logits
             d = d.to(hidden.dtype)
             if d_h is not None:
@@ -149,4 +164,4 @@ class _TargetLogprobs(torch.autograd.Function):
             g_h.index_copy_(0, live, d_h)
         if g_low is not None and d_low is not None:
             g_low.index_copy_(0, live, d_low)
-        return g_h, g_w, g_low, g_up, None, None
+        return g_h, g_w, g_low, g_up, None, None, None
