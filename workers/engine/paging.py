@@ -152,9 +152,10 @@ class Pager:
         metrics.paged(self.model, DEVICE, HOST, state_bytes(adapter))
 
     def to_disk(self, adapter: Adapter) -> None:
+        size = state_bytes(adapter)  # before the spill frees the tensors (then it is 0)
         adapter.spill_path = write_spill(adapter, self._spill_dir())
         adapter.tier = DISK
-        metrics.paged(self.model, HOST, DISK, state_bytes(adapter))
+        metrics.paged(self.model, HOST, DISK, size)
 
     def _spill_dir(self) -> Path:
         """This process's own folder under spill_dir (removed when the pager goes): spills never outlive it."""
