@@ -2,7 +2,8 @@
 
 The gateway resolves everything (storage key, endpoint from settings, the tenant's decrypted token) and hands a
 frozen spec to the pusher that deploy/ wired in (workers/checkpoints/hub.py, run off the event loop). The token is
-a SecretStr, so it never shows in a repr or a log line.
+a SecretStr, so it never shows in a repr or a log line. The pusher reports the bytes uploaded so far through the
+`Progress` callback it is given (the gateway keeps the figure on the push's row, which the client polls).
 """
 
 from __future__ import annotations
@@ -37,4 +38,7 @@ class HubPushFailed(Exception):
     """The hub refused or the upload broke; the message is safe to show the tenant (it never holds the token)."""
 
 
-HubPusher = Callable[[HubPushSpec], Awaitable[HubPushOutcome]]
+Progress = Callable[[int, int], None]
+"""`progress(bytes_done, bytes_total)`: how far an upload is; a pusher may call it from any thread, often."""
+
+HubPusher = Callable[[HubPushSpec, Progress], Awaitable[HubPushOutcome]]

@@ -3,7 +3,8 @@
 Gateway side (`RedisHubPusher`, an `api_schemas.hub.HubPusher`): seals the push spec (it holds the tenant's token)
 under the cluster secret (jobqueue/sealing.py, bound to the push id), stores it under a short-lived key, adds the
 push id to a stream, and waits for the outcome
-with a blocking pop (a push, not a poll). Pusher side (`HubPushConsumer`): a consumer group over that stream, so any
+with a blocking pop (a push, not a poll), reading the upload's progress from a key the pusher refreshes about every
+second between pops. Pusher side (`HubPushConsumer`): a consumer group over that stream, so any
 number of pusher replicas share the work; each push runs once, on the uploader it was given (threads). A pusher that
 dies mid-upload leaves its entry pending; a live one claims it after `reclaim_idle` and reports the push as
 interrupted (the spec, and so the token, was deleted when first taken).
@@ -20,7 +21,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from api_schemas.hub import HubPusher, HubPushFailed, HubPushOutcome, HubPushSpec
+from api_schemas.hub import HubPusher, HubPushFailed, HubPushOutcome, HubPushSpec, Progress
 from jobqueue.keys import Keys
 from jobqueue.sealing import Sealer, SealError
 
@@ -28,6 +29,7 @@ log = logging.getLogger(__name__)
 
 GROUP = "pushers"
 _PURPOSE = b"hub-push-spec"
+PROGRESS_SECONDS = 1.0  # how often a running push's progress is published and read
 
 
 class RedisHubPusher:
@@ -37,7 +39,7 @@ class RedisHubPusher:
         self.sealer = Sealer(secret, _PURPOSE)
         self.timeout, self.spec_ttl = timeout, spec_ttl
 
-    async def __call__(self, spec: HubPushSpec) -> HubPushOutcome:
+    async def __call__(self, spec: HubPushSpec, progress: Progress) -> HubPushOutcome:
         push_id = uuid.uuid4().hex
         body = spec.model_dump(mode="json") | {"token": spec.token.get_secret_value()}
         sealed = self.sealer.seal(json.dumps(body).encode(), aad=push_id.encode())  # opens only as this push
@@ -48,12 +50,16 @@ class RedisHubPusher:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout
         while (left := deadline - loop.time()) > 0:
-            popped = await self.client.blpop([self.keys.hub_push_result(push_id)], timeout=max(1, int(min(left, 30))))
+            popped = await self.client.blpop([self.keys.hub_push_result(push_id)], timeout=min(left, PROGRESS_SECONDS))
             if popped is not None:
+                await self.client.delete(self.keys.hub_push_progress(push_id))
                 outcome = json.loads(popped[1])
                 if outcome.get("error"):
                     raise HubPushFailed(outcome["error"])
                 return HubPushOutcome(url=outcome["url"])
+            if (figures := await self.client.get(self.keys.hub_push_progress(push_id))) is not None:
+                done, total = (int(x) for x in figures.split())
+                progress(done, total)
         raise HubPushFailed("no checkpoint pusher finished the push in time (is the pusher deployment running?)")
 
 
@@ -112,7 +118,7 @@ class HubPushConsumer:
             raw = blob if isinstance(blob, bytes) else blob.encode()
             spec = HubPushSpec.model_validate_json(self.sealer.unseal(raw, aad=push_id.encode()))
             log.info("pushing %s to %s (%s)", spec.storage_key, spec.repo_id, spec.provider)
-            outcome = {"url": (await self.pusher(spec)).url}
+            outcome = {"url": (await self._push(push_id, spec)).url}
         except (HubPushFailed, SealError) as e:
             outcome = {"error": str(e)}
         except Exception as e:  # the pusher reports its own failures; this guards the loop
@@ -125,6 +131,19 @@ class HubPushConsumer:
             pipe.xack(self.keys.hub_push_stream, GROUP, entry_id)
             pipe.xdel(self.keys.hub_push_stream, entry_id)
             await pipe.execute()
+
+    async def _push(self, push_id: str, spec: HubPushSpec) -> HubPushOutcome:
+        """The upload, with its latest progress published under the push's progress key while it runs."""
+        latest: list[tuple[int, int]] = []  # set from the uploader's threads; read here
+        upload = asyncio.ensure_future(self.pusher(spec, lambda done, total: latest.append((done, total))))
+        key, sent = self.keys.hub_push_progress(push_id), None
+        while not upload.done():
+            await asyncio.wait([upload], timeout=PROGRESS_SECONDS)
+            if latest and latest[-1] != sent:
+                sent = latest[-1]
+                del latest[:-1]
+                await self.client.set(key, f"{sent[0]} {sent[1]}", ex=max(1, int(self.result_ttl)))
+        return upload.result()
 
     def stop(self) -> None:
         self._stopping = True

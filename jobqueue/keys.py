@@ -87,6 +87,10 @@ class Keys:
         """List: the push outcome JSON, pushed once by the pusher and popped (BLPOP) by the waiting gateway."""
         return f"{self.prefix}:hubpush:result:{push_id}"
 
+    def hub_push_progress(self, push_id: str) -> str:
+        """String: "bytes_done bytes_total" of a running push, set by the pusher about every second (expires)."""
+        return f"{self.prefix}:hubpush:progress:{push_id}"
+
     @property
     def resident_limits(self) -> str:
         """Hash: tenant id -> its adapters-in-memory quota, plus "*" -> the default ("" = unlimited). Rewritten

@@ -46,6 +46,8 @@ class PushStatus(BaseModel):
     trigger: Literal["request", "auto"]
     error: str | None = None
     url: str | None = None
+    bytes_done: int | None = None  # the checkpoint's bytes uploaded so far (refreshed every few seconds while running)
+    bytes_total: int | None = None  # the checkpoint's size; both null until the upload starts
     created_at: datetime
     finished_at: datetime | None = None
 

@@ -173,6 +173,8 @@ class HubPushRow(Base):
     status: Mapped[str] = mapped_column(String(16), default="queued")  # queued | running | succeeded | failed
     error: Mapped[str | None] = mapped_column(String(2048), nullable=True)
     url: Mapped[str | None] = mapped_column(String(1024), nullable=True)
+    bytes_done: Mapped[int | None] = mapped_column(BigInteger, nullable=True)  # the upload's progress, while it runs
+    bytes_total: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 

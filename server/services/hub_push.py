@@ -3,6 +3,8 @@
 Tokens are per tenant, stored encrypted (server/services/secrets.py) and never returned or logged. A push is a row
 the client polls (queued -> running -> succeeded | failed, with the error); the upload itself runs in the pusher
 deploy/ wired in (workers/checkpoints/hub.py on a thread pool), so the event loop never waits on the network.
+While it runs, the row carries its progress (`bytes_done` of `bytes_total`), written at most every
+`PROGRESS_WRITE_SECONDS`, so any gateway answering the client's poll shows it.
 A run with an auto-push setting is pushed once its session has finished and its saves have settled.
 """
 
@@ -12,7 +14,7 @@ import asyncio
 import logging
 import uuid
 
-from api_schemas.hub import HubPushFailed, HubPushSpec, Provider
+from api_schemas.hub import HubPushFailed, HubPushOutcome, HubPushSpec, Provider
 from api_schemas.native.hub import AutoPushRequest, AutoPushStatus, HubTokenStatus, PushRequest, PushStatus
 from server.db import lifecycle_repo as lrepo
 from server.db import repositories as repo
@@ -25,6 +27,7 @@ from server.services.downloads import keyring
 log = logging.getLogger(__name__)
 _running: set[asyncio.Task[None]] = set()  # strong references: a task nobody holds may be collected mid-push
 _PREFERENCE = ("sampler_weights", "external_weights", "weights")  # what an auto-push uploads, first found
+PROGRESS_WRITE_SECONDS = 2.0
 
 
 class HubUnavailable(DomainError):
@@ -64,6 +67,7 @@ def to_wire(row: HubPushRow) -> PushStatus:
     return PushStatus(
         push_id=row.id, status=row.status, tinker_path=row.tinker_path, provider=row.provider,  # type: ignore[arg-type]
         repo_id=row.repo_id, private=row.private, trigger=row.trigger, error=row.error, url=row.url,  # type: ignore[arg-type]
+        bytes_done=row.bytes_done, bytes_total=row.bytes_total,
         created_at=ckpt.aware(row.created_at), finished_at=ckpt.aware(row.finished_at),  # type: ignore[arg-type]
     )
 
@@ -108,6 +112,7 @@ async def _run(ctx: Context, push_id: str) -> None:
             return
         row.status = "running"
     token = ""
+    latest: list[tuple[int, int]] = []  # (bytes_done, bytes_total) as the pusher reports them, from any thread
     try:
         if token_row is None:
             raise HubPushFailed(f"the {row.provider} token was removed before the push started")
@@ -116,8 +121,7 @@ async def _run(ctx: Context, push_id: str) -> None:
         spec = HubPushSpec(provider=row.provider, endpoint=endpoint, token=token, repo_id=row.repo_id,  # type: ignore[arg-type]
                            private=row.private, storage_key=row.storage_key,
                            commit_message=f"Upload {row.tinker_path} from Twinkle server")
-        assert ctx.pusher is not None
-        outcome = await ctx.pusher(spec)
+        outcome = await _with_progress(ctx, push_id, spec, latest)
         status, error, url = "succeeded", None, outcome.url
     except Exception as e:  # every failure is reported on the push, never swallowed
         message = str(e) if isinstance(e, HubPushFailed) else f"{type(e).__name__}: {e}"
@@ -127,6 +131,27 @@ async def _run(ctx: Context, push_id: str) -> None:
         fresh = await lrepo.push_by_id(s, push_id)
         if fresh is not None:
             fresh.status, fresh.error, fresh.url, fresh.finished_at = status, error, url, utcnow()
+            if latest:
+                fresh.bytes_done, fresh.bytes_total = latest[-1]
+
+
+async def _with_progress(ctx: Context, push_id: str, spec: HubPushSpec,
+                         latest: list[tuple[int, int]]) -> HubPushOutcome:
+    """The pusher's upload; the progress it reports (appended to `latest`, from any thread) is written onto the row
+    meanwhile, when it has changed."""
+    assert ctx.pusher is not None
+    task = asyncio.ensure_future(ctx.pusher(spec, lambda done, total: latest.append((done, total))))
+    written: tuple[int, int] | None = None
+    while not task.done():
+        await asyncio.wait([task], timeout=PROGRESS_WRITE_SECONDS)
+        if task.done() or not latest or latest[-1] == written:
+            continue
+        written = latest[-1]
+        del latest[:-1]  # only the newest figure matters
+        async with ctx.db.session() as s:
+            if (row := await lrepo.push_by_id(s, push_id)) is not None:
+                row.bytes_done, row.bytes_total = written
+    return task.result()
 
 
 async def _open_token(ctx: Context, row: HubTokenRow) -> str:

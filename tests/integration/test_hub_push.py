@@ -80,9 +80,40 @@ def test_push_is_private_by_default_and_token_stays_secret(srv: ServerProcess, h
     expected = folder_files(srv, path)
     assert {"adapter_config.json", "adapter_model.safetensors"} <= set(expected)
     assert repo.files == expected
+    size = sum(len(b) for b in expected.values())
+    assert (done["bytes_done"], done["bytes_total"]) == (size, size)  # the upload's progress, complete
     assert f"Bearer {TOKEN_A}" in hub.seen_auth
     assert TOKEN_A not in srv.log()
     assert TOKEN_A.encode() not in (srv.data_dir / "twinkle.db").read_bytes()  # encrypted at rest
+
+
+def test_pusher_reports_progress_as_it_uploads(hub: FakeHub, tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pusher itself (workers/checkpoints/hub.py) on a two-file checkpoint: progress starts at 0, never goes
+    back, passes through the first file's size and ends at the total, which is the files' size."""
+    from huggingface_hub import constants
+    from pydantic import SecretStr
+
+    from api_schemas.hub import HubPushSpec
+    from jobqueue.storage import CheckpointStorage
+    from workers.checkpoints.hub import push
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
+    store = CheckpointStorage(tmp_path)
+    folder = tmp_path / "t" / "run" / "sampler_weights" / "a"
+    folder.mkdir(parents=True)
+    (folder / "adapter_config.json").write_bytes(b'{"r": 8}')
+    (folder / "adapter_model.safetensors").write_bytes(bytes(range(256)) * 4096)
+    seen: list[tuple[int, int]] = []
+    spec = HubPushSpec(provider="huggingface", endpoint=hub.url, token=SecretStr(TOKEN_A), repo_id="alice/progress",
+                       storage_key="t/run/sampler_weights/a", commit_message="c")
+    push(spec, store, lambda done, total: seen.append((done, total)))
+    total = 8 + 256 * 4096
+    assert seen[0] == (0, total) and seen[-1] == (total, total)
+    assert all(a[0] <= b[0] and b[1] == total for a, b in zip(seen, seen[1:]))
+    assert {done for done, _ in seen} & {8, 256 * 4096}  # a point after the first file uploaded
+    assert hub.repos["alice/progress"].files["adapter_model.safetensors"] == bytes(range(256)) * 4096
 
 
 def test_failures_are_reported_and_tenants_isolated(srv: ServerProcess, hub: FakeHub) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from pydantic import SecretStr
 
-from api_schemas.hub import HubPushFailed, HubPushOutcome, HubPushSpec
+from api_schemas.hub import HubPushFailed, HubPushOutcome, HubPushSpec, Progress
 from jobqueue.heartbeats import Heartbeats
 from jobqueue.hub_push_queue import HubPushConsumer, RedisHubPusher
 from jobqueue.keys import Keys
@@ -34,18 +34,25 @@ async def _push_round_trip(redis_url: str, prefix: str) -> None:
     keys = Keys(prefix)
     seen: list[HubPushSpec] = []
 
-    async def upload(s: HubPushSpec) -> HubPushOutcome:
+    async def upload(s: HubPushSpec, progress: Progress) -> HubPushOutcome:
         seen.append(s)
         if s.repo_id == "me/broken":
             raise HubPushFailed("hub said no")
+        progress(5, 10)
+        await asyncio.sleep(2.5)  # long enough for the progress to be published and read between the gateway's pops
+        progress(10, 10)
         return HubPushOutcome(url=f"http://hub.invalid/{s.repo_id}")
 
     consumer = HubPushConsumer(client, keys, SECRET, upload, name="c1", concurrency=2)
     task = asyncio.create_task(consumer.run())
     gateway = RedisHubPusher(client, keys, SECRET, timeout=30)
+    reported: list[tuple[int, int]] = []
     try:
-        ok, bad = await asyncio.gather(gateway(spec("me/lora")), gateway(spec("me/broken")), return_exceptions=True)
+        ok, bad = await asyncio.gather(gateway(spec("me/lora"), lambda d, t: reported.append((d, t))),
+                                       gateway(spec("me/broken"), lambda d, t: None), return_exceptions=True)
         assert isinstance(ok, HubPushOutcome) and ok.url.endswith("me/lora")
+        assert reported and set(reported) <= {(5, 10), (10, 10)}  # the pusher's progress, read from Redis
+        assert not await client.keys(f"{prefix}:hubpush:progress:*")  # removed with the outcome
         assert isinstance(bad, HubPushFailed) and "hub said no" in str(bad)
         assert sorted(s.repo_id for s in seen) == ["me/broken", "me/lora"]
         assert seen[0].token.get_secret_value() == "hf_secret_token"  # the token arrives intact
@@ -58,7 +65,7 @@ async def _push_round_trip(redis_url: str, prefix: str) -> None:
         blind = HubPushConsumer(client, keys, None, upload, name="c2")
         task = asyncio.create_task(blind.run())
         with pytest.raises(HubPushFailed, match="TWINKLE_SIGNING_SECRET"):
-            await gateway(spec("me/other"))
+            await gateway(spec("me/other"), lambda d, t: None)
         assert len(seen) == 2
         blind.stop()
         await asyncio.wait_for(task, 10)
