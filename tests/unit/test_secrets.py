@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from api_schemas.hub import HubPushOutcome, HubPushSpec
+from api_schemas.hub import HubPushOutcome, HubPushSpec, Progress
 from jobqueue.sealing import MAGIC, PREFIX, SealError, Sealer, cluster_secret
 from server.config import Settings
 from server.db.database import Database
@@ -142,7 +142,7 @@ def test_legacy_token_in_sql_is_read_and_resealed(tmp_path: Path) -> None:
     secret = load_secret(settings)
     seen: list[str] = []
 
-    async def pusher(spec: HubPushSpec) -> HubPushOutcome:
+    async def pusher(spec: HubPushSpec, progress: Progress) -> HubPushOutcome:
         seen.append(spec.token.get_secret_value())
         return HubPushOutcome(url="https://hub.example/me/run")
 
