@@ -24,7 +24,7 @@ HEADER = """# Settings reference
 Generated from `server/config.py` by `python -m deploy.config_reference > docs/CONFIG.md`; do not edit by hand.
 Every setting is read from the environment variable shown (prefix `TWINKLE_`); `twinkle-server serve` and `worker`
 flags of the same name override it. List settings take a comma-separated value. The Ray application's YAML
-`limits` override the settings of the same names (README, "Cluster / Ray").
+`limits` override the settings of the same names (docs/OPERATOR.md, "Cluster / Ray").
 
 | setting | environment | type | default | meaning |
 |---|---|---|---|---|

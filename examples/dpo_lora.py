@@ -8,7 +8,7 @@ sends a weighted cross_entropy backward; works on any Tinker service):
 
     loss = -logsigmoid(beta * ((logp_c - ref_c) - (logp_r - ref_r)))      averaged over pairs
 
-(The server also runs such a loss server-side in one pass: `ServiceClient.create_custom_loss`, README "Losses".)
+(The server also runs such a loss server-side in one pass: `ServiceClient.create_custom_loss`, docs/USER_GUIDE.md "Losses".)
 Signal: the DPO loss (ln 2 = 0.693 at step 0, where the policy is the reference), the mean reward margin and the
 share of pairs ranked right, each step.
 
