@@ -46,6 +46,8 @@ class LossSpec:
     extra_inputs_ok: bool = False
     # A loss of the native protocol only (its DPOLoss): unknown to Tinker clients, whose table is the SDK's.
     native_only: bool = False
+    # Inputs only the native protocol sends (the engine's check accepts them, the Tinker table does not).
+    native_inputs: frozenset[str] = frozenset()
 
     @property
     def config_keys(self) -> frozenset[str]:
@@ -57,16 +59,19 @@ _CLIP_INPUTS = frozenset({"clip_low_threshold", "clip_high_threshold"})
 # PPO's documented defaults (epsilon 0.2 each side). The docs give cispo's and gspo's thresholds "similarly to
 # PPO" without restating defaults, so the same ones are used; clients that care pass them explicitly.
 _CLIP_DEFAULTS = MappingProxyType({"clip_low_threshold": 0.8, "clip_high_threshold": 1.2})
+# The native GRPO family's KL penalty (GRPOLoss beta > 0): per token kl_weights * (exp(d) - d - 1),
+# d = kl_ref_logprobs - lp (the k3 estimator), added to the loss's own per-token term.
+KL_INPUTS = frozenset({"kl_ref_logprobs", "kl_weights"})
 
 _SPECS: tuple[LossSpec, ...] = (
-    LossSpec("cross_entropy", frozenset({"target_tokens", "weights"})),
+    LossSpec("cross_entropy", frozenset({"target_tokens", "weights"}), native_inputs=KL_INPUTS),
     LossSpec("importance_sampling", _RL_INPUTS),
-    LossSpec("ppo", _RL_INPUTS, _CLIP_INPUTS, _CLIP_DEFAULTS),
-    LossSpec("cispo", _RL_INPUTS, _CLIP_INPUTS, _CLIP_DEFAULTS),
+    LossSpec("ppo", _RL_INPUTS, _CLIP_INPUTS, _CLIP_DEFAULTS, native_inputs=KL_INPUTS),
+    LossSpec("cispo", _RL_INPUTS, _CLIP_INPUTS, _CLIP_DEFAULTS, native_inputs=KL_INPUTS),
     # The docs show `beta` only as "custom beta" and never state a default; guessing one would silently
     # change the objective, so it must be given.
     LossSpec("dro", _RL_INPUTS, required_config=frozenset({"beta"})),
-    LossSpec("gspo", _RL_INPUTS | {"sequence_ratio_mask"}, _CLIP_INPUTS, _CLIP_DEFAULTS),
+    LossSpec("gspo", _RL_INPUTS | {"sequence_ratio_mask"}, _CLIP_INPUTS, _CLIP_DEFAULTS, native_inputs=KL_INPUTS),
     # Its config (the SDK docstring names `kl_coeff`) is undocumented, so no keys or defaults are listed.
     LossSpec(
         "stable_reinforce",
@@ -80,7 +85,8 @@ _SPECS: tuple[LossSpec, ...] = (
     ),
     # SAPO (the native protocol's SAPOLoss): per token -g(r) A with the soft gate g(r) = sigmoid(tau (r - 1)) * 4 /
     # tau, tau = tau_pos where A > 0 and tau_neg elsewhere, r = exp(lp - logprobs).
-    LossSpec("sapo", _RL_INPUTS, config_defaults=MappingProxyType({"tau_pos": 1.0, "tau_neg": 1.0}), native_only=True),
+    LossSpec("sapo", _RL_INPUTS, config_defaults=MappingProxyType({"tau_pos": 1.0, "tau_neg": 1.0}), native_only=True,
+             native_inputs=KL_INPUTS),
     # Preference losses (the native protocol's DPOLoss and its variants, SimPOLoss, CPOLoss, ORPOLoss): datums in
     # (chosen, rejected) pairs, in order; `weights` mark the response tokens (0/1), `ref_logprobs` the reference
     # model's logprobs of the same targets (zeros: reference-free). `loss_type` (sigmoid | hinge | ipo | kto_pair |
@@ -90,6 +96,13 @@ _SPECS: tuple[LossSpec, ...] = (
              config_defaults=MappingProxyType({"beta": 0.1, "label_smoothing": 0.0, "sft_weight": 0.0, "gamma": 0.0,
                                                "normalize": 0.0, "pref_weight": 1.0}),
              text_config=frozenset({"loss_type"}), native_only=True),
+    # Distillation (the native protocol's GKDLoss with a teacher's top-k logprobs): target_tokens (N, K) = the teacher's
+    # top-k token ids at each position, teacher_logprobs (N, K) their logprobs, weights (N, K) = 1 / the batch's
+    # label tokens on label positions (0 elsewhere, equal across K). Per position, both sides are renormalised over
+    # the K ids at `temperature` and the generalised JSD of the pair (beta: the teacher's weight in the mixture; 0 =
+    # KL(teacher || student), 1 = KL(student || teacher)) is weighted by weights[:, 0].
+    LossSpec("gkd", frozenset({"target_tokens", "teacher_logprobs", "weights"}),
+             config_defaults=MappingProxyType({"beta": 0.5, "temperature": 1.0}), native_only=True),
     # A loss uploaded with create_custom_loss, named by loss_fn_config["loss_id"]. The inputs it reads are declared
     # with it (api_schemas/tinker/custom_loss.py checks them once the gateway has resolved the loss); others are
     # ignored, as the SDK's client-side run of the same loss ignores them.
@@ -144,6 +157,9 @@ def resolve_loss_config(loss_fn: str, config: Mapping[str, float | str], engine:
         raise LossSpecError(f"{loss_fn}: beta must be a finite number >= 0, got {resolved['beta']}")
     if any(not (math.isfinite(resolved.get(k, 1.0)) and resolved.get(k, 1.0) > 0) for k in ("tau_pos", "tau_neg")):
         raise LossSpecError(f"{loss_fn}: tau_pos and tau_neg must be finite numbers > 0")
+    if loss_fn == "gkd" and not (resolved["beta"] <= 1 and math.isfinite(resolved["temperature"])
+                                 and resolved["temperature"] > 0):
+        raise LossSpecError(f"{loss_fn}: beta must be in [0, 1] and temperature a finite number > 0")
     if not 0 <= resolved.get("label_smoothing", 0.0) <= 0.5:
         raise LossSpecError(f"{loss_fn}: label_smoothing must be in [0, 0.5]")
     if not (math.isfinite(resolved.get("sft_weight", 0.0)) and resolved.get("sft_weight", 0.0) >= 0):
@@ -170,7 +186,7 @@ def validate_loss_request(
     spec = _spec(loss_fn, engine)
     if not input_keys_per_datum:
         raise LossSpecError(f"{loss_fn}: the request has no datums")
-    allowed = spec.required_inputs | spec.optional_inputs
+    allowed = spec.required_inputs | spec.optional_inputs | (spec.native_inputs if engine else frozenset())
     for i, keys in enumerate(input_keys_per_datum):
         missing = sorted(spec.required_inputs - keys)
         if missing:

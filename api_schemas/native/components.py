@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-__all__ = ["COMPONENTS", "Component", "ComponentError", "Slot", "resolve"]
+__all__ = ["COMPONENTS", "REFUSED", "Component", "ComponentError", "Slot", "resolve"]
 
 Slot = Literal["loss", "optimizer", "scheduler", "metric", "template", "processor", "patch"]
 
@@ -37,13 +37,29 @@ class CrossEntropyLoss(Component):
     reduction: Literal["mean", "sum"] = "mean"
 
 
+class ChunkedCrossEntropyLoss(CrossEntropyLoss):
+    """CrossEntropyLoss computed in chunks upstream (a memory saving): the same loss here."""
+
+    chunk_size: int = Field(..., ge=1)
+
+
+class LigerFusedLinearCrossEntropyLoss(CrossEntropyLoss):
+    """CrossEntropyLoss fused with the head upstream (a kernel): the same loss here, summed by default."""
+
+    reduction: Literal["mean", "sum"] = "sum"
+    label_smoothing: float = Field(0.0, ge=0, le=0)
+    softcap: None = None
+
+
 class GRPOLoss(Component):
-    """Upstream's GRPO objective without a KL term: per token -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A),
-    r = exp(logp - old_logp), averaged over each sequence's label tokens, then over the batch."""
+    """Upstream's GRPO objective: per token -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A) + beta KL,
+    r = exp(logp - old_logp), KL = exp(ref - logp) - (ref - logp) - 1 with the `ref_logps` the client sends
+    (forward_only(disable_lora=True) of the same rows), averaged over each sequence's label tokens, then over the
+    batch."""
 
     epsilon: float = Field(0.2, ge=0, lt=1)
     epsilon_high: float | None = Field(None, ge=0)
-    beta: float = Field(0.0, ge=0, le=0)  # a KL penalty needs reference logps per token: only 0 is offered
+    beta: float = Field(0.0, ge=0, le=100)
     entropy_coef: float = Field(0.0, ge=0, le=0)  # only 0 (no entropy bonus) is offered
     ignore_index: Literal[-100] = -100
 
@@ -111,6 +127,17 @@ class ORPOLoss(Component):
 
     lambda_orpo: float = Field(0.1, ge=0)
     ignore_index: Literal[-100] = -100
+
+
+class GKDLoss(Component):
+    """Generalised JSD between student and teacher over the teacher's top-k ids per label position (the
+    teacher_topk_logprobs / teacher_topk_indices the client sends, e.g. a served teacher's prompt logprobs);
+    beta 0: KL(teacher || student), 1: KL(student || teacher)."""
+
+    beta: float = Field(0.5, ge=0, le=1)
+    temperature: float = Field(1.0, gt=0, le=100)
+    ignore_index: Literal[-100] = -100
+    chunk_size: int = Field(512, ge=1)  # memory only upstream
 
 
 # --- optimizers (torch.optim; upstream's defaults: lr 1e-5, weight_decay 0.01 in the param group)
@@ -205,7 +232,9 @@ class InputProcessor(Component):
 
 
 COMPONENTS: dict[Slot, dict[str, type[Component]]] = {
-    "loss": {"CrossEntropyLoss": CrossEntropyLoss, "GRPOLoss": GRPOLoss, "PPOLoss": PPOLoss, "GSPOLoss": GSPOLoss,
+    "loss": {"CrossEntropyLoss": CrossEntropyLoss, "ChunkedCrossEntropyLoss": ChunkedCrossEntropyLoss,
+             "LigerFusedLinearCrossEntropyLoss": LigerFusedLinearCrossEntropyLoss, "GKDLoss": GKDLoss,
+             "GRPOLoss": GRPOLoss, "PPOLoss": PPOLoss, "GSPOLoss": GSPOLoss,
              "CISPOLoss": CISPOLoss, "BNPOLoss": BNPOLoss, "DRGRPOLoss": DRGRPOLoss, "SAPOLoss": SAPOLoss, "DPOLoss": DPOLoss,
              "SimPOLoss": SimPOLoss, "CPOLoss": CPOLoss, "ORPOLoss": ORPOLoss},
     "optimizer": {"AdamW": AdamW, "Adam": Adam, "SGD": SGD},
@@ -222,10 +251,31 @@ COMPONENTS: dict[Slot, dict[str, type[Component]]] = {
 }
 
 
+# Names upstream has that no client can use against a served causal LM with LoRA adapters, each with the reason
+_HEAD = "the served model is a causal LM whose adapters train its LoRA weights only"
+REFUSED: dict[Slot, dict[str, str]] = {
+    "loss": {
+        "MSELoss": f"MSELoss compares logits to labels of the same shape (a regression head); {_HEAD}, and its "
+                   "vocabulary logits have no such labels (upstream fails on them too)",
+        "PPOValueLoss": f"PPOValueLoss trains a value head (upstream's TransformersValueModel, which refuses LoRA); "
+                        f"{_HEAD} and has none",
+        "InfonceLoss": "InfonceLoss needs sentence embeddings (forward with task='embedding'), which this server's "
+                       "engine does not compute: it trains on token logprobs only",
+    },
+    "template": {
+        "DeepseekV4Template": "DeepseekV4Template encodes DeepSeek-V4's own chat format, and no DeepSeek-V4 model is "
+                              "served here; use Template (the served model's own chat template)",
+    },
+}
+
+
 def resolve(slot: Slot, name: object, kwargs: dict[str, Any]) -> tuple[str, Component]:
     """(name, validated kwargs) of an allowed component; ComponentError naming what is accepted otherwise."""
     table = COMPONENTS[slot]
     accepted = ", ".join(sorted(table)) or "none"
+    refused = REFUSED.get(slot, {})
+    if isinstance(name, str) and name in refused:
+        raise ComponentError(f"{slot} {name} is not offered: {refused[name]}; accepted: {accepted}")
     if not isinstance(name, str) or name not in table:
         hint = " (hub plugins are not loaded by this server)" if isinstance(name, str) and "://" in name else ""
         raise ComponentError(f"{slot} {name!r} is not offered by this server{hint}; accepted: {accepted}")

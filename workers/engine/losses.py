@@ -157,6 +157,35 @@ def _sapo(d: _Datum, cfg: Mapping[str, float]) -> tuple[torch.Tensor, None]:
     return -(torch.sigmoid(tau * (ratio - 1)) * (4.0 / tau) * adv), None
 
 
+def _gkd(d: _Datum, cfg: Mapping[str, float]) -> tuple[torch.Tensor, None]:
+    """twinkle's GKDLoss with a teacher's top-k: student and teacher renormalised over the K ids at temperature t,
+    then beta * KL(T || M) + (1 - beta) * KL(S || M), M = beta T + (1 - beta) S (beta 0: KL(T || S), 1: KL(S || T)),
+    weighted per position by weights[:, 0] (which carries upstream's mean over label tokens)."""
+    t, beta = cfg["temperature"], cfg["beta"]
+    s = torch.log_softmax(d.lp / t, dim=-1)
+    q = torch.log_softmax(d.x["teacher_logprobs"] / t, dim=-1)
+    if beta == 0:
+        jsd = (q.exp() * (q - s)).sum(-1)
+    elif beta == 1:
+        jsd = (s.exp() * (s - q)).sum(-1)
+    else:
+        m = torch.logsumexp(torch.stack([s + math.log(1 - beta), q + math.log(beta)]), dim=0)
+        jsd = beta * (q.exp() * (q - m)).sum(-1) + (1 - beta) * (s.exp() * (s - m)).sum(-1)
+    return jsd * d.x["weights"][..., 0], None
+
+
+def _kl_penalty(d: _Datum) -> torch.Tensor | None:
+    """The native GRPO family's KL term (api_schemas/losses.py KL_INPUTS), None when the datum has none. Positions
+    of weight 0 see d = 0, so a very unlikely prompt token cannot make exp(d) overflow into the sum."""
+    if "kl_weights" not in d.x and "kl_ref_logprobs" not in d.x:
+        return None
+    if "kl_weights" not in d.x or "kl_ref_logprobs" not in d.x:
+        raise LossSpecError(f"datum {d.index}: kl_ref_logprobs and kl_weights go together")
+    w = d.x["kl_weights"]
+    diff = torch.where(w != 0, d.x["kl_ref_logprobs"] - d.lp, torch.zeros_like(d.lp))
+    return w * (torch.exp(diff) - diff - 1)
+
+
 _BODIES: dict[str, _Body] = {
     "cross_entropy": _cross_entropy,
     "importance_sampling": _importance_sampling,
@@ -165,6 +194,7 @@ _BODIES: dict[str, _Body] = {
     "dro": _dro,
     "gspo": _gspo,
     "sapo": _sapo,
+    "gkd": _gkd,
 }
 _THRESHOLDS = ("clip_low_threshold", "clip_high_threshold")
 
@@ -243,9 +273,13 @@ def compute_loss(
     per_datum: list[torch.Tensor] = []
     outputs: list[dict[str, torch.Tensor]] = []
     clipped_counts: list[torch.Tensor] = []
+    kl_terms: list[torch.Tensor] = []
     for d in datums:
         elementwise, clipped = body(d, cfg)
-        per_datum.append(elementwise.sum())
+        kl = _kl_penalty(d)
+        if kl is not None:
+            kl_terms.append(kl.sum())
+        per_datum.append(elementwise.sum() if kl is None else elementwise.sum() + kl_terms[-1])
         out = {"logprobs": d.lp.detach()}
         if loss_fn == "cross_entropy":
             # Shape (N,) even for (N, K) targets: the per-position loss summed over the K candidates.
@@ -260,4 +294,6 @@ def compute_loss(
     if clipped_counts:
         # Summed on device, read once: one host sync per chunk, not per datum.
         metrics["clipped_tokens:sum"] = float(torch.stack(clipped_counts).sum())
+    if kl_terms:
+        metrics["kl:sum"] = float(torch.stack(kl_terms).sum().detach())
     return LossOutput(loss=loss, outputs=outputs, metrics=metrics)

@@ -9,8 +9,11 @@ whose value and gradient are the twinkle loss's.
   The rest of the family differs only in that average (PPOLoss token-mean, BNPOLoss, CISPOLoss: over the batch's
   label tokens; DRGRPOLoss: over rows x max_completion_length) or in the objective (GSPOLoss: the sequence's mean
   log ratio, the engine's `gspo`; CISPOLoss: -sg(min(r, 1 + eps)) A logp, the engine's `cispo`).
+  beta > 0 adds upstream's k3 KL to the reference logps (`ref_logps`, the client's forward_only(disable_lora=True)
+  of the same rows, as upstream's ref-model forward) with the same weights: the engine's KL inputs.
 - DPOLoss (sigmoid, hinge, ipo, kto_pair), SimPOLoss, CPOLoss, ORPOLoss: the engine's `dpo` on (chosen, rejected)
   pairs, with the reference logps of the same rows (DPOLoss) or none.
+- GKDLoss: the engine's `gkd` on the teacher's top-k ids per position (a served teacher's prompt logprobs).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import numpy as np
 
 from api_schemas.native.features import Feature
 from server.errors import BadRequest
+from server.services.sample_validation import MAX_TOPK
 
 
 @dataclass(frozen=True)
@@ -88,20 +92,38 @@ def _scales(features: list[Feature], aggregation: str, max_completion_length: in
     return [1.0 / (max(int(f.mask.sum()), 1) * len(features)) for f in features]
 
 
+def _kl_inputs(features: list[Feature], ref_logps: object, beta: float,
+               scale: list[float]) -> list[dict[str, np.ndarray]]:
+    """Each row's KL-penalty inputs (GRPOLoss beta > 0): the reference logps on its label tokens and beta x its
+    aggregation weight there; none when beta is 0."""
+    if beta == 0:
+        return [{} for _ in features]
+    if ref_logps is None:
+        raise BadRequest("a KL penalty (beta > 0) needs ref_logps: the logps of forward_only(inputs, "
+                         "disable_lora=True) on the same rows (the base model is the reference)")
+    ref = [_per_token("ref_logps", i, r, f, False) for i, (r, f) in enumerate(
+        zip(_rows("ref_logps", ref_logps, features), features))]
+    return [{"kl_ref_logprobs": np.where(f.mask, r, 0.0).astype(np.float32),
+             "kl_weights": (f.mask * (beta * s)).astype(np.float32)} for f, r, s in zip(features, ref, scale)]
+
+
 def grpo_datums(features: list[Feature], advantages: object, old_logps: object, *, epsilon: float,  # noqa: PLR0913
                 epsilon_high: float, loss: str = "GRPOLoss", aggregation: str | None = None,
-                max_completion_length: int = 1024, tau_pos: float = 1.0, tau_neg: float = 1.0) -> EngineBatch:
+                max_completion_length: int = 1024, tau_pos: float = 1.0, tau_neg: float = 1.0,
+                beta: float = 0.0, ref_logps: object = None) -> EngineBatch:
     """The GRPO family (`loss`: GRPOLoss, PPOLoss, GSPOLoss, CISPOLoss, BNPOLoss, DRGRPOLoss): each row's advantages
     scaled by its aggregation weight (positive, so it passes through the clipped min) on the engine's ppo / gspo /
     cispo objective. Without old logps the ratio is 1: cross-entropy weighted by the scaled advantages has the
-    same gradient, and the loss value is upstream's at ratio 1."""
+    same gradient, and the loss value is upstream's at ratio 1 (plus the engine's `kl:sum`). beta > 0 adds
+    upstream's per-token k3 KL to `ref_logps` with the same aggregation weights."""
     adv = [_per_token("advantages", i, a, f, True) for i, (a, f) in enumerate(
         zip(_rows("advantages", advantages, features), features))]
     scale = _scales(features, aggregation or AGGREGATION.get(loss, SEQUENCE_MEAN), max_completion_length)
+    kl = _kl_inputs(features, ref_logps, beta, scale)
     objective = OBJECTIVE.get(loss, "ppo")
     if old_logps is None:
-        datums = [(f.input_ids, {"target_tokens": f.targets, "weights": (a * s).astype(np.float32)})
-                  for f, a, s in zip(features, adv, scale)]
+        datums = [(f.input_ids, {"target_tokens": f.targets, "weights": (a * s).astype(np.float32), **k})
+                  for f, a, s, k in zip(features, adv, scale, kl)]
         # CISPO at ratio 1 is -A * logp itself: the engine's cross-entropy value is upstream's; SAPO's gate is 2 / tau
         gate = [np.where(a > 0, 2.0 / tau_pos, 2.0 / tau_neg) if objective == "sapo" else 1.0 for a in adv]
         value = None if objective == "cispo" else -sum(float((g * a * f.mask).sum()) * s
@@ -110,8 +132,9 @@ def grpo_datums(features: list[Feature], advantages: object, old_logps: object, 
     old = [_per_token("old_logps", i, o, f, False) for i, (o, f) in enumerate(
         zip(_rows("old_logps", old_logps, features), features))]
     datums = []
-    for f, a, q, s in zip(features, adv, old, scale):
-        inputs = {"target_tokens": f.targets, "logprobs": q.astype(np.float32), "advantages": (a * s).astype(np.float32)}
+    for f, a, q, s, k in zip(features, adv, old, scale, kl):
+        inputs = {"target_tokens": f.targets, "logprobs": q.astype(np.float32),
+                  "advantages": (a * s).astype(np.float32), **k}
         if objective == "gspo":
             inputs["sequence_ratio_mask"] = f.mask.astype(np.float32)
         datums.append((f.input_ids, inputs))
@@ -158,3 +181,46 @@ def preference(name: str, args: dict, features: list[Feature], ref_logps: object
     return dpo_datums(features, ref_logps, beta=args.get("beta", 0.1), label_smoothing=args.get("label_smoothing", 0.0),
                       sft_weight=args.get("sft_weight", 0.0), reference_free=bool(args.get("reference_free")),
                       loss_type=args.get("loss_type", "sigmoid"))
+
+
+def _topk(name: str, i: int, value: object, f: Feature, integer: bool) -> np.ndarray:
+    """A row's teacher top-k on its positions, shape (positions, K): one entry per position (upstream's
+    [rows, seq_len, K] tensors, longer ones cut) or one per label token; 0 off the label tokens."""
+    try:
+        arr = np.asarray(value, dtype=np.int64 if integer else np.float64)
+    except (ValueError, TypeError, OverflowError):
+        raise BadRequest(f"{name}[{i}] must be a list of equally long lists of numbers") from None
+    n, mask = len(f.input_ids), f.mask
+    if arr.ndim != 2 or not 1 <= arr.shape[1] <= MAX_TOPK:
+        raise BadRequest(f"{name}[{i}] must hold, per position, a list of 1 to {MAX_TOPK} values")
+    out = np.zeros((n, arr.shape[1]), dtype=arr.dtype)
+    if arr.shape[0] == int(mask.sum()):
+        out[mask] = arr
+    elif arr.shape[0] >= n:
+        out[mask] = arr[:n][mask]
+    else:
+        raise BadRequest(f"{name}[{i}] has {arr.shape[0]} positions: give one per position ({n}) or one per label "
+                         f"token ({int(mask.sum())})")
+    return out
+
+
+def gkd_datums(features: list[Feature], topk_logprobs: object, topk_indices: object, *, vocab_size: int,
+               beta: float, temperature: float) -> EngineBatch:
+    """GKDLoss with a teacher's top-k logprobs and ids (e.g. a served teacher's `prompt_logprobs=K` answer): the
+    engine's `gkd` on (positions, K) targets, weighted 1 / the batch's label tokens (upstream's mean)."""
+    if topk_logprobs is None or topk_indices is None:
+        raise BadRequest("GKDLoss needs teacher_topk_logprobs and teacher_topk_indices (a teacher's top-k per "
+                         "position, e.g. from its sampler's prompt_logprobs); full teacher_logits are not accepted")
+    total = max(sum(int(f.mask.sum()) for f in features), 1)
+    datums = []
+    for i, (f, q, t) in enumerate(zip(features, _rows("teacher_topk_logprobs", topk_logprobs, features),
+                                      _rows("teacher_topk_indices", topk_indices, features))):
+        lp, ids = _topk("teacher_topk_logprobs", i, q, f, False), _topk("teacher_topk_indices", i, t, f, True)
+        if lp.shape != ids.shape or (datums and lp.shape[1] != datums[0][1]["target_tokens"].shape[1]):
+            raise BadRequest("teacher_topk_logprobs and teacher_topk_indices must have the same K in every row")
+        if not np.isfinite(lp).all() or ids.min() < 0 or ids.max() >= vocab_size:
+            raise BadRequest(f"row {i}: teacher logprobs must be finite and token ids in [0, {vocab_size})")
+        w = np.repeat((f.mask / total)[:, None], lp.shape[1], axis=1)
+        datums.append((f.input_ids, {"target_tokens": ids, "teacher_logprobs": lp.astype(np.float32),
+                                     "weights": w.astype(np.float32)}))
+    return EngineBatch("gkd", datums, {"beta": beta, "temperature": temperature})

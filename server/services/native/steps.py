@@ -34,7 +34,9 @@ from server.services.native.losses import EngineBatch
 FORWARD_KWARGS = {"gradient_accumulation_steps", "temperature", "return_logits", "disable_lora", "task"}
 POLICY_LOSSES = ("GRPOLoss", "PPOLoss", "GSPOLoss", "CISPOLoss", "BNPOLoss", "DRGRPOLoss", "SAPOLoss")
 PREFERENCE_LOSSES = ("DPOLoss", "SimPOLoss", "CPOLoss", "ORPOLoss")
-LOSS_KWARGS = {**{name: {"advantages", "old_logps"} for name in POLICY_LOSSES}, "DPOLoss": {"ref_outputs", "ref_logps"}}
+CE_LOSSES = ("CrossEntropyLoss", "ChunkedCrossEntropyLoss", "LigerFusedLinearCrossEntropyLoss")
+LOSS_KWARGS = {**{name: {"advantages", "old_logps", "ref_logps"} for name in POLICY_LOSSES},
+               "DPOLoss": {"ref_outputs", "ref_logps"}, "GKDLoss": {"teacher_topk_logprobs", "teacher_topk_indices"}}
 
 
 def _features(ctx: Context, adapter: Adapter, inputs: object) -> list[Feature]:
@@ -93,15 +95,20 @@ def check_forward_kwargs(adapter: Adapter, kwargs: dict[str, Any], training: boo
 def summed_loss(adapter: Adapter) -> bool:
     """Whether the adapter's loss is a sum over label tokens (its window is then divided by their count)."""
     loss = adapter.settings["loss"]
-    return loss["name"] == "CrossEntropyLoss" and loss["args"].get("reduction", "mean") == "sum"
+    return loss["name"] in CE_LOSSES and loss["args"].get("reduction", "mean") == "sum"
 
 
-def _engine_batch(adapter: Adapter, features: list[Feature], kwargs: dict[str, Any], training: bool) -> EngineBatch:
+def _engine_batch(ctx: Context, adapter: Adapter, features: list[Feature], kwargs: dict[str, Any],
+                  training: bool) -> EngineBatch:
     """The adapter's loss on `features` as an engine batch; passes that only read logps use cross-entropy."""
     loss = adapter.settings["loss"]
     a = loss["args"]
-    if not training or loss["name"] == "CrossEntropyLoss":
+    if not training or loss["name"] in CE_LOSSES:
         return losses.cross_entropy(features, summed_loss(adapter))  # the scale forward_backward reports
+    if loss["name"] == "GKDLoss":
+        return losses.gkd_datums(features, kwargs.get("teacher_topk_logprobs"), kwargs.get("teacher_topk_indices"),
+                                 vocab_size=ctx.served(adapter.model.base_model).vocab_size,
+                                 beta=a.get("beta", 0.5), temperature=a.get("temperature", 1.0))
     if loss["name"] in POLICY_LOSSES:
         if kwargs.get("advantages") is None:
             raise BadRequest(f"{loss['name']} needs advantages (one per row, or one per label token)")
@@ -112,7 +119,8 @@ def _engine_batch(adapter: Adapter, features: list[Feature], kwargs: dict[str, A
         return losses.grpo_datums(features, kwargs["advantages"], kwargs.get("old_logps"), epsilon=eps,
                                   epsilon_high=eps if high is None else high, loss=loss["name"],
                                   aggregation=aggregation, max_completion_length=a.get("max_completion_length", 1024),
-                                  tau_pos=a.get("tau_pos", 1.0), tau_neg=a.get("tau_neg", 1.0))
+                                  tau_pos=a.get("tau_pos", 1.0), tau_neg=a.get("tau_neg", 1.0),
+                                  beta=a.get("beta", 0.0), ref_logps=kwargs.get("ref_logps"))
     if loss["name"] not in PREFERENCE_LOSSES:
         raise BadRequest(f"loss {loss['name']} is not available for this operation")
     ref = kwargs.get("ref_logps")
@@ -123,13 +131,15 @@ def _engine_batch(adapter: Adapter, features: list[Feature], kwargs: dict[str, A
 
 async def _pass(ctx: Context, adapter: Adapter, features: list[Feature], kwargs: dict[str, Any], *, training: bool,
                 forward_only: bool, base_only: bool = False) -> dict[str, Any]:
-    batch = _engine_batch(adapter, features, kwargs, training)
+    batch = _engine_batch(ctx, adapter, features, kwargs, training)
     job = ForwardBackward.build(batch.datums, forward_only=forward_only, loss_fn=batch.loss_fn,
                                 loss_config=batch.config, base_only=base_only)
     out = await run(ctx, adapter, job)
     if not isinstance(out, ForwardBackwardResult):
         raise JobFailed("the worker answered a training batch with another result")
-    loss = batch.value if batch.value is not None else float(out.metrics.get("loss:sum", 0.0))
+    # a value given by the batch (GRPO at ratio 1) leaves out the KL term the engine computed
+    engine_loss, kl = float(out.metrics.get("loss:sum", 0.0)), float(out.metrics.get("kl:sum", 0.0))
+    loss = engine_loss if batch.value is None else batch.value + kl
     logps = [d["logprobs"].tolist() for d in out.datum_outputs()]
     return {"loss": loss, "logps": logps, "num_tokens": int(sum(int(f.mask.sum()) for f in features))}
 
