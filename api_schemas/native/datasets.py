@@ -19,22 +19,21 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from api_schemas.native.components import ComponentError
 
-__all__ = ["CLASSES", "FUNCTIONS", "PREPROCESSORS", "Args", "DataLoaderArgs", "DatasetMetaIn", "ProcessorKind",
+__all__ = ["CLASSES", "DATASET_OPTIONS", "FUNCTIONS", "PREPROCESSORS", "Args", "DataLoaderArgs", "DatasetMetaIn", "ProcessorKind",
            "check_args", "class_for", "parse_dataset_meta"]
 
 ProcessorKind = Literal["dataset", "dataloader", "processor"]
 
-# processor_type -> class_type -> what the server holds for it (LazyDataset behaves as Dataset: rows are in memory)
+# processor_type -> class_type -> what the server holds for it. Every dataset class holds the client's inline rows
+# in memory (LazyDataset behaves as Dataset; IterableDataset adds __iter__ / __next__; PackingDataset and
+# IterablePackingDataset add pack_dataset, server/services/native/packing.py).
 CLASSES: dict[str, dict[str, str]] = {
-    "dataset": {"Dataset": "dataset", "LazyDataset": "dataset"},
+    "dataset": {"Dataset": "dataset", "LazyDataset": "dataset", "IterableDataset": "dataset",
+                "PackingDataset": "dataset", "IterablePackingDataset": "dataset"},
     "dataloader": {"DataLoader": "dataloader"},
     "processor": {"InputProcessor": "processor"},
 }
-NOT_OFFERED = {  # class names twinkle has that the server knows but does not hold, with the reason
-    "IterableDataset": "streaming datasets read from a hub or a server path; send the rows inline to Dataset",
-    "PackingDataset": "packing is not offered; the engine batches rows of different lengths itself",
-    "IterablePackingDataset": "packing is not offered; the engine batches rows of different lengths itself",
-}
+NOT_OFFERED: dict[str, str] = {}  # class names twinkle has that the server knows but does not hold, with the reason
 
 
 def class_for(processor_type: object, class_type: object) -> tuple[ProcessorKind, str]:
@@ -121,6 +120,21 @@ def parse_dataset_meta(value: object) -> DatasetMetaIn:
     if meta.data is None:
         raise ComponentError("dataset_meta holds no `data`: pass the rows inline, DatasetMeta(data=[{...}, ...])")
     return meta
+
+
+# --- the dataset classes' own ctor kwargs (beside dataset_meta)
+class PackingArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    packing_num_proc: int = Field(1, ge=1)  # ignored: packing is one pass over the lengths
+
+
+class IterablePackingArgs(PackingArgs):
+    packing_interval: int = Field(128, ge=1, le=100_000)  # rows packed together
+    cyclic: bool = False  # __next__ starts again from the first row instead of ending
+
+
+DATASET_OPTIONS: dict[str, type[BaseModel]] = {"PackingDataset": PackingArgs,
+                                               "IterablePackingDataset": IterablePackingArgs}
 
 
 # --- map preprocessors (twinkle.preprocessor, reimplemented in server/services/native/preprocessors.py)
@@ -258,6 +272,7 @@ FUNCTIONS: dict[ProcessorKind, dict[str, type[Args]]] = {
         "set_template": SetTemplate, "encode": Encode, "check": MapKwargs, "map": MapArgs, "filter": FilterArgs,
         "add_dataset": AddDataset, "mix_dataset": MixDataset, "__len__": Args, "__getitem__": GetItem,
         "cast_column": CastColumn, "save_as": SaveAs, "flush_save": Args,
+        "pack_dataset": Args, "__iter__": Args, "__next__": Args,  # the iterable and packing classes only
     },
     "dataloader": {
         "__len__": Args, "__iter__": Args, "__next__": Args, "set_processor": ProcessorCls,

@@ -1,10 +1,12 @@
 """The native protocol's training rows: twinkle `InputFeature` dicts, read into token and label arrays.
 
 A row is a JSON object with `input_ids` (the tokens) and `labels` of the same length, already shifted: `labels[i]`
-is the token predicted at position i, -100 where no loss is taken (twinkle's template rolls them left by one). Other
-keys (`attention_mask`, `position_ids`, `length`, a dataset's raw columns such as `messages`) are ignored; images,
-audio and video inputs are refused (the served models are text-only). `input_ids` may also come as one row of a
-2-D list, as a collator leaves it.
+is the token predicted at position i, -100 where no loss is taken (twinkle's template rolls them left by one). A
+packed row (twinkle's PackingDataset, padding-free: `position_ids` start again at 0 where the next sequence
+begins) is read as its sequences, one Feature each, as upstream's padding-free attention keeps them apart. Other
+keys (`attention_mask`, `length`, a dataset's raw columns such as `messages`) are ignored; images, audio and video
+inputs are refused (the served models are text-only). `input_ids` may also come as one row of a 2-D list, as a
+collator leaves it.
 """
 
 from __future__ import annotations
@@ -54,18 +56,37 @@ def read_features(inputs: object, *, vocab_size: int, max_len: int, max_rows: in
         raise FeatureError("inputs must be a non-empty list of InputFeature objects (input_ids, labels)")
     if len(rows) > max_rows:
         raise FeatureError(f"inputs hold {len(rows)} rows; at most {max_rows} per request")
-    return [_feature(i, row, vocab_size, max_len, labels_required) for i, row in enumerate(rows)]
+    out = [f for i, row in enumerate(rows) for f in _unpack(i, row, _feature(i, row, vocab_size, labels_required))]
+    if len(out) > max_rows:
+        raise FeatureError(f"inputs hold {len(out)} sequences once packed rows are split; at most {max_rows}")
+    long = next((i for i, f in enumerate(out) if f.input_ids.size > max_len), None)
+    if long is not None:
+        raise FeatureError(f"sequence {long} of the inputs has {out[long].input_ids.size} tokens; at most {max_len} "
+                           "are accepted")
+    return out
 
 
-def _feature(i: int, row: object, vocab_size: int, max_len: int, labels_required: bool) -> Feature:
+def _unpack(i: int, row: object, f: Feature) -> list[Feature]:
+    """A packed row's sequences: where its 1-D `position_ids` (one per token) start again at 0."""
+    pos = row.get("position_ids") if isinstance(row, Mapping) else None
+    if pos is None:
+        return [f]
+    p = _ints(i, "position_ids", pos)
+    if p.shape != f.input_ids.shape:
+        return [f]  # not one position per token (e.g. a collator's layout): nothing to split by
+    starts = [0, *np.flatnonzero(p[1:] == 0) + 1, p.size]
+    return [Feature(f.input_ids[a:b], f.labels[a:b]) for a, b in zip(starts, starts[1:])]
+
+
+def _feature(i: int, row: object, vocab_size: int, labels_required: bool) -> Feature:
     if not isinstance(row, Mapping):
         raise FeatureError(f"inputs[{i}] is not an InputFeature object")
     present = [k for k in _MULTIMODAL if row.get(k) is not None]
     if present:
         raise FeatureError(f"inputs[{i}] has {present}: the served models take text only")
     ids = _ints(i, "input_ids", row.get("input_ids"))
-    if ids.size == 0 or ids.size > max_len:
-        raise FeatureError(f"inputs[{i}].input_ids has {ids.size} tokens; 1 to {max_len} are accepted")
+    if ids.size == 0:
+        raise FeatureError(f"inputs[{i}].input_ids has no tokens")
     if ids.min() < 0 or ids.max() >= vocab_size:
         raise FeatureError(f"inputs[{i}].input_ids holds ids outside the vocabulary [0, {vocab_size})")
     raw = row.get("labels")

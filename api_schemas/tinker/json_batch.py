@@ -133,7 +133,7 @@ def _finite_or_none(values: np.ndarray) -> list[float | None]:
     return [float(v) if math.isfinite(v) else None for v in values.astype(np.float64).tolist()]
 
 
-def _topk_json(ids: np.ndarray, lps: np.ndarray) -> list[list[tuple[int, float]] | None]:
+def topk_json(ids: np.ndarray, lps: np.ndarray) -> list[list[tuple[int, float]] | None]:
     """Per prompt position its (id, logprob) pairs without the trailing empty slots, None for an all-empty one
     (what 0.38.0 makes of the protobuf's matrices)."""
     rows: list[list[tuple[int, float]] | None] = []
@@ -155,5 +155,5 @@ def sample_response_json(out: SampleResult) -> dict[str, Any]:
     if out.prompt_logprobs is not None:
         body["prompt_logprobs"] = _finite_or_none(out.prompt_logprobs.numpy())
     if out.topk_prompt_ids is not None and out.topk_prompt_logprobs is not None:
-        body["topk_prompt_logprobs"] = _topk_json(out.topk_prompt_ids.numpy(), out.topk_prompt_logprobs.numpy())
+        body["topk_prompt_logprobs"] = topk_json(out.topk_prompt_ids.numpy(), out.topk_prompt_logprobs.numpy())
     return body

@@ -252,7 +252,7 @@ def test_policy_loss_family_trains(a: Native, loss_cls: str, kwargs: dict) -> No
     out = a.ok("forward_backward", inputs=feats, adapter_name="default", advantages=[1.0, -1.0], old_logps=old)
     assert np.isfinite(out["result"]["loss"])
     assert float(a.ok("clip_grad_and_step", adapter_name="default")["result"]) > 0
-    refused = a.op("set_loss", loss_cls="GKDLoss", adapter_name="default")
+    refused = a.op("set_loss", loss_cls="NotALoss", adapter_name="default")
     assert refused.status_code == 400 and "GSPOLoss" in refused.json()["detail"]
 
 

@@ -22,8 +22,8 @@ from api_schemas.native.components import ComponentError, resolve
 from api_schemas.native.datasets import DataLoaderArgs
 from server.errors import BadRequest, Gone
 from server.services.context import Context
-from server.services.native.processor_store import Held, LoaderObj, Row, Store, bad, current_rows, dataset_of, \
-    handles, lookup
+from server.services.native.processor_store import Held, LoaderObj, Row, Store, bad, dataset_of, handles, lookup, \
+    seen_rows
 
 SHUFFLE_SEED = 42  # twinkle's default seed
 
@@ -36,7 +36,7 @@ def _loader(held: Held) -> LoaderObj:
 
 def _loader_rows(store: Store, held: Held, loader: LoaderObj) -> list[Row]:
     ds_held = lookup(store, held.tenant_id, held.session_id, loader.dataset, "dataset", what="dataset")
-    return current_rows(dataset_of(ds_held))
+    return seen_rows(dataset_of(ds_held))
 
 
 def _batches(n: int, args: DataLoaderArgs) -> int:

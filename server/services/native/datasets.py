@@ -30,12 +30,13 @@ from api_schemas.native.datasets import DataLoaderArgs, DatasetMetaIn
 from server.errors import BadRequest, Gone
 from server.services.context import Context
 from server.services.native import dataloader as _dataloader  # noqa: F401  (registers its handlers)
+from server.services.native import packing as _packing  # noqa: F401  (registers its handlers)
 from server.services.native.adapters import native_session
 from server.services.native.encoding import DEFAULT_MAX_LENGTH, EncodeError, TemplateOptions, encode_rows, \
     tokenizer_for
 from server.services.native.preprocessors import BUILDERS, PreprocessError, apply
 from server.services.native.processor_store import HANDLERS, DatasetObj, Held, LoaderObj, ProcessorObj, Row, Store, \
-    bad, check_limits, current_rows, dataset_of, handles, lookup, store_of, sweep
+    bad, check_limits, current_rows, dataset_of, handles, lookup, seen_count, seen_row, store_of, sweep
 
 
 # --- create
@@ -50,12 +51,20 @@ async def create(ctx: Context, tenant_id: str, session_id: str | None, body: dic
         raise bad(e) from None
     pid = f"pid:{secrets.token_hex(16)}"
     rows = size = 0
+    options: dict[str, Any] = {}
     obj: Any
     if kind == "dataset":
         meta = kwargs.pop("dataset_meta", None)
+        model = schema.DATASET_OPTIONS.get(class_name, schema.Args)
+        own = {k: kwargs.pop(k) for k in list(kwargs) if k in model.model_fields}
         if kwargs:
-            raise BadRequest(f"{class_name}: unknown arguments {sorted(kwargs)}; accepted: dataset_meta "
+            raise BadRequest(f"{class_name}: unknown arguments {sorted(kwargs)}; accepted: "
+                             f"{', '.join(['dataset_meta', *model.model_fields])} "
                              "(datasets.load_dataset's kwargs do not apply to inline rows)")
+        try:
+            options = model.model_validate(own).model_dump()
+        except ValidationError as e:
+            raise bad(_component_error(class_name, model, e)) from None
         obj = DatasetObj()
         if meta is not None:
             key, data = _load(ctx, meta)
@@ -78,7 +87,8 @@ async def create(ctx: Context, tenant_id: str, session_id: str | None, body: dic
             raise bad(e) from None
         obj = ProcessorObj(parsed.model_dump(mode="json"))
     check_limits(ctx, store, tenant_id, None, rows, size, new_object=True)
-    store.objects[pid] = Held(pid, tenant_id, session.id, kind, class_name, obj, rows=rows, bytes=size)
+    store.objects[pid] = Held(pid, tenant_id, session.id, kind, class_name, obj, rows=rows, bytes=size,
+                              options=options)
     return {"processor_id": pid}
 
 
@@ -329,7 +339,7 @@ async def _mix_dataset(ctx: Context, store: Store, held: Held, args: schema.MixD
 
 @handles("dataset", "__len__")
 async def _len(ctx: Context, store: Store, held: Held, args: Any, rest: dict[str, Any]) -> int:
-    return len(current_rows(dataset_of(held)))
+    return seen_count(dataset_of(held))
 
 
 @handles("dataset", "__getitem__")
@@ -337,12 +347,13 @@ async def _getitem(ctx: Context, store: Store, held: Held, args: schema.GetItem,
     idx = args.idx if args.idx is not None else args.index
     if idx is None:
         raise BadRequest("__getitem__ needs idx (an integer)")
-    rows = current_rows(dataset_of(held))
-    if idx >= len(rows):  # 410: the end of a `for row in dataset` loop (StopIteration on the client)
-        raise Gone(f"index {idx} is past the end of the dataset ({len(rows)} rows)")
-    if idx < -len(rows):
-        raise BadRequest(f"index {idx} is out of range ({len(rows)} rows)")
-    return rows[idx]
+    ds = dataset_of(held)
+    n = seen_count(ds)
+    if idx >= n:  # 410: the end of a `for row in dataset` loop (StopIteration on the client)
+        raise Gone(f"index {idx} is past the end of the dataset ({n} rows)")
+    if idx < -n:
+        raise BadRequest(f"index {idx} is out of range ({n} rows)")
+    return seen_row(ds, idx % n)
 
 
 @handles("dataset", "cast_column")

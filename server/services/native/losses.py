@@ -212,7 +212,7 @@ def gkd_datums(features: list[Feature], topk_logprobs: object, topk_indices: obj
         raise BadRequest("GKDLoss needs teacher_topk_logprobs and teacher_topk_indices (a teacher's top-k per "
                          "position, e.g. from its sampler's prompt_logprobs); full teacher_logits are not accepted")
     total = max(sum(int(f.mask.sum()) for f in features), 1)
-    datums = []
+    datums: list[tuple[np.ndarray, dict[str, np.ndarray]]] = []
     for i, (f, q, t) in enumerate(zip(features, _rows("teacher_topk_logprobs", topk_logprobs, features),
                                       _rows("teacher_topk_indices", topk_indices, features))):
         lp, ids = _topk("teacher_topk_logprobs", i, q, f, False), _topk("teacher_topk_indices", i, t, f, True)

@@ -48,6 +48,8 @@ class DatasetObj:
     mixed: list[Row] | None = None  # mix_dataset's result; then every operation acts on it
     template: TemplateOptions | None = None
     model: str | None = None  # the served model whose tokenizer encodes the rows (set_template)
+    packs: list[list[int]] | None = None  # pack_dataset's groups of row indices (PackingDataset); None: unpacked
+    cursor: int = 0  # the next row (or pack) of __next__ (IterableDataset, IterablePackingDataset)
 
     def current(self) -> list[Row] | None:
         """The rows len / getitem / encode / a DataLoader see (upstream's `self.dataset`): the mixed rows, else the
@@ -92,6 +94,7 @@ class Held:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     rows: int = 0
     bytes: int = 0
+    options: dict[str, Any] = field(default_factory=dict)  # the class's own ctor kwargs (IterablePackingDataset's)
 
 
 class Store:
@@ -173,6 +176,34 @@ def current_rows(ds: DatasetObj) -> list[Row]:
     if rows is None:
         raise BadRequest("this dataset holds no rows yet: create it with a DatasetMeta or call add_dataset")
     return rows
+
+
+def seen_rows(ds: DatasetObj) -> list[Row]:
+    """What a DataLoader reads: the packed rows once pack_dataset ran, else the rows."""
+    return [seen_row(ds, i) for i in range(seen_count(ds))] if ds.packs is not None else current_rows(ds)
+
+
+def seen_count(ds: DatasetObj) -> int:
+    return len(current_rows(ds)) if ds.packs is None else len(ds.packs)
+
+
+def seen_row(ds: DatasetObj, i: int) -> Row:
+    """Row (or pack) i of what len / getitem / iteration read."""
+    rows = current_rows(ds)
+    return rows[i] if ds.packs is None else packed_row([rows[j] for j in ds.packs[i]])
+
+
+def packed_row(rows: list[Row]) -> Row:
+    """Rows joined as twinkle's PackingDataset.__getitem__ joins them: lists of numbers (input_ids, labels,
+    attention_mask) and position_ids concatenated, every other column as the list of the rows' values."""
+    out: Row = {}
+    for key in rows[0]:
+        values = [r.get(key) for r in rows]
+        first = values[0]
+        numbers = isinstance(first, list) and bool(first) and isinstance(first[0], (int, float))
+        joined = key == "position_ids" or numbers
+        out[key] = [v for lst in values for v in (lst if isinstance(lst, list) else [lst])] if joined else values
+    return out
 
 
 # --- the functions a client may call: (kind, function) -> handler

@@ -27,6 +27,7 @@ from server.services import sampling
 from server.services.chat import run_sample
 from server.services.chat_template import chat_tokenizer
 from server.services.context import Context
+from api_schemas.tinker.json_batch import topk_json
 from server.services.sample_validation import MAX_NUM_SAMPLES, MAX_TOPK, sample_params
 
 PARAM_KEYS = {"max_tokens", "max_new_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "seed", "stop",
@@ -161,4 +162,6 @@ def _answer(item: Mapping[str, Any], prompt: list[int], result: SampleResult, k:
         })
     prompt_lps = None if result.prompt_logprobs is None else [
         None if math.isnan(lp) else float(lp) for lp in result.prompt_logprobs.numpy().tolist()]
-    return {"sequences": sequences, "prompt_logprobs": prompt_lps, "topk_prompt_logprobs": None}
+    topk = None if result.topk_prompt_ids is None or result.topk_prompt_logprobs is None else topk_json(
+        result.topk_prompt_ids.numpy(), result.topk_prompt_logprobs.numpy())
+    return {"sequences": sequences, "prompt_logprobs": prompt_lps, "topk_prompt_logprobs": topk}
