@@ -54,12 +54,13 @@ class Proc(Native):
         assert r.status_code == 200, (function, r.status_code, r.text)
         return r.json()["result"]
 
-    def dataset(self, rows: list[dict] | None = None, **meta_extra: object) -> str:
-        return self.new(processor_type="dataset", class_type="Dataset",
-                        dataset_meta=meta(ROWS if rows is None else rows, **meta_extra))
+    def dataset(self, rows: list[dict] | None = None, class_type: str = "Dataset", options: dict | None = None,
+                **meta_extra: object) -> str:
+        return self.new(processor_type="dataset", class_type=class_type,
+                        dataset_meta=meta(ROWS if rows is None else rows, **meta_extra), **(options or {}))
 
-    def encoded(self, max_length: int = 128) -> str:
-        pid = self.dataset()
+    def encoded(self, max_length: int = 128, class_type: str = "Dataset", **options: object) -> str:
+        pid = self.dataset(class_type=class_type, options=options)
         assert self.result(pid, "set_template", template_func="Template", model_id="ms://Qwen/Qwen3.5-4B",
                            max_length=max_length) is None
         assert self.result(pid, "map", preprocess_func="SelfCognitionProcessor", dataset_meta=None,
@@ -206,8 +207,12 @@ def test_refusals(a: Proc) -> None:
             "_TWINKLE_TYPE_")
     _detail(a.create(processor_type="dataset", class_type="Dataset", dataset_meta=meta(ROWS), streaming=True), 400,
             "unknown arguments")
-    _detail(a.create(processor_type="dataset", class_type="PackingDataset", dataset_meta=meta(ROWS)), 400,
-            "accepted: Dataset, LazyDataset")
+    _detail(a.create(processor_type="dataset", class_type="StreamingDataset", dataset_meta=meta(ROWS)), 400,
+            "accepted: Dataset, LazyDataset, IterableDataset, PackingDataset")
+    _detail(a.create(processor_type="dataset", class_type="IterablePackingDataset", dataset_meta=meta(ROWS),
+                     packing_interval=0), 400, "packing_interval")
+    _detail(a.call(ds, "pack_dataset"), 400, "PackingDataset and IterablePackingDataset, not of Dataset")
+    _detail(a.call(ds, "__next__"), 400, "IterableDataset")
     _detail(a.create(processor_type="dataset", class_type="ms://evil/plugin"), 400, "hub plugins")
     _detail(a.create(processor_type="reward", class_type="MathReward"), 400, "accepted: dataset, dataloader")
     _detail(a.create(processor_type="dataloader", class_type="DataLoader", dataset=ds, batch_size=2,
@@ -278,3 +283,43 @@ def test_limits(server: ServerProcess) -> None:
     assert len(held) == 20
     other = Proc(server, server.api_key_b)  # another tenant's quota is its own
     other.dataset()
+
+
+def test_packing_and_iterable_datasets(a: Proc) -> None:
+    ds = a.encoded(max_length=200, class_type="PackingDataset", packing_num_proc=1)
+    lengths = [a.result(ds, "__getitem__", idx=i)["length"] for i in range(len(ROWS))]
+    assert max(lengths) <= 100, lengths  # two or more rows fit a pack of 200 tokens
+    assert a.result(ds, "pack_dataset") is None
+    n = a.result(ds, "__len__")
+    packs = [a.result(ds, "__getitem__", index=i) for i in range(n)]
+    _detail(a.call(ds, "__getitem__", index=n), 410)
+    assert n < len(ROWS) and sorted(q for p in packs for q in p["query"]) == sorted(r["query"] for r in ROWS)
+    for p in packs:  # each pack: its rows joined, position_ids starting again at 0 for each row
+        assert len(p["input_ids"]) == len(p["labels"]) == sum(p["length"]) <= 200
+        assert p["position_ids"].count(0) == len(p["query"])
+    assert sum(len(p["input_ids"]) for p in packs) == sum(lengths)
+    # a DataLoader batches packs; forward_backward reads each pack back as its rows
+    dl = a.new(processor_type="dataloader", class_type="DataLoader", dataset=ds, batch_size=2)
+    a.result(dl, "__iter__")
+    batch = a.result(dl, "__next__")
+    setup_adapter(a, gas=1)
+    out = a.ok("forward_backward", inputs=batch, adapter_name="default")["result"]
+    assert len(out["logps"]) == sum(len(p["query"]) for p in batch)
+    assert [len(x) for x in out["logps"]] == [length for p in batch for length in p["length"]]
+
+    it = a.dataset(class_type="IterableDataset")
+    for _ in range(2):  # __iter__ starts a pass again
+        assert a.result(it, "__iter__") == "ok"
+        assert [a.result(it, "__next__")["query"] for _ in ROWS] == [r["query"] for r in ROWS]
+        _detail(a.call(it, "__next__"), 410, "have all been read")
+
+    cyc = a.encoded(max_length=200, class_type="IterablePackingDataset", packing_interval=2, cyclic=True)
+    _detail(a.call(cyc, "__iter__"), 400, "pack_dataset")
+    a.result(cyc, "pack_dataset")
+    total = a.result(cyc, "__len__")
+    a.result(cyc, "__iter__")
+    first = [a.result(cyc, "__next__")["query"] for _ in range(total)]
+    windows = [{r["query"] for r in ROWS[i:i + 2]} for i in range(0, len(ROWS), 2)]
+    assert all(any(set(q) <= w for w in windows) for q in first)  # packed within windows of 2 rows
+    assert sorted(q for p in first for q in p) == sorted(r["query"] for r in ROWS)
+    assert a.result(cyc, "__next__")["query"] == first[0]  # cyclic: no 410, the packs come round again

@@ -65,18 +65,21 @@ def test_gkd_distils_a_served_teacher(a: Native) -> None:
     assert a.ok("forward_only", inputs=feats, adapter_name="default")["result"]["loss"] > 0  # forward_only: CE
     first = a.ok("forward_backward", inputs=feats, adapter_name="default", **kw)["result"]["loss"]
     assert abs(first) < 1e-4
-    a.ok("clip_grad_and_step", adapter_name="default")
-    a.ok("set_loss", loss_cls="CrossEntropyLoss", adapter_name="default")
-    for _ in range(3):  # the student drifts (SFT on the rows)
-        a.ok("forward_backward", inputs=feats, adapter_name="default")
-        a.ok("clip_grad_and_step", adapter_name="default")
-    a.ok("set_loss", loss_cls="GKDLoss", adapter_name="default", beta=0.5)
+    setup_adapter(a, "drift", gas=1)  # a student that drifted from the teacher (SFT on the rows)
+    for _ in range(3):
+        a.ok("forward_backward", inputs=feats, adapter_name="drift")
+        a.ok("clip_grad_and_step", adapter_name="drift")
+    path = a.ok("save", name="drifted", adapter_name="drift")["twinkle_path"]
+    setup_adapter(a, "gkd", gas=1)  # its own optimizer, from the drifted weights
+    a.ok("set_loss", loss_cls="GKDLoss", adapter_name="gkd", beta=0.5)
+    a.ok("set_optimizer", optimizer_cls="AdamW", adapter_name="gkd", lr=2e-3)
+    a.ok("load", name=path, adapter_name="gkd")
     losses = []
     for _ in range(4):  # distillation pulls it back towards the teacher
-        losses.append(a.ok("forward_backward", inputs=feats, adapter_name="default", **kw)["result"]["loss"])
-        a.ok("clip_grad_and_step", adapter_name="default")
+        losses.append(a.ok("forward_backward", inputs=feats, adapter_name="gkd", **kw)["result"]["loss"])
+        a.ok("clip_grad_and_step", adapter_name="gkd")
     assert losses[0] > 1e-3 and losses[-1] < losses[0], losses
-    bad = a.op("forward_backward", inputs=feats, adapter_name="default", teacher_logits=[[[0.0]]])
+    bad = a.op("forward_backward", inputs=feats, adapter_name="gkd", teacher_logits=[[[0.0]]])
     assert bad.status_code == 400 and "teacher_topk_logprobs" in bad.json()["detail"]
 
 
