@@ -225,6 +225,10 @@ def test_allow_lists(native_server: NativeServer, connect: Callable[[str], Any])
     bad_request(lambda: model.set_lr_scheduler("builtins.eval"), "CosineWarmupScheduler")
     bad_request(lambda: model.set_template("ms://someone/template-plugin"), "Template")
     bad_request(lambda: model.apply_patch("ms://x/y"))
+    bad_request(lambda: model.set_loss("MSELoss"), "regression head", "GKDLoss")  # named, with the reason
+    bad_request(lambda: model.set_loss("PPOValueLoss"), "value head")
+    bad_request(lambda: model.set_loss("InfonceLoss"), "embeddings")
+    bad_request(lambda: model.set_template("DeepseekV4Template"), "DeepSeek-V4", "Template")
     # the slots still take the allowed names afterwards
     model.set_loss("CrossEntropyLoss")
     model.set_optimizer("AdamW", lr=LR)
