@@ -96,11 +96,12 @@ _SPECS: tuple[LossSpec, ...] = (
              config_defaults=MappingProxyType({"beta": 0.1, "label_smoothing": 0.0, "sft_weight": 0.0, "gamma": 0.0,
                                                "normalize": 0.0, "pref_weight": 1.0}),
              text_config=frozenset({"loss_type"}), native_only=True),
-    # Distillation (the native protocol's GKDLoss with a teacher's top-k logprobs): target_tokens (N, K) = the teacher's
-    # top-k token ids at each position, teacher_logprobs (N, K) their logprobs, weights (N, K) = 1 / the batch's
-    # label tokens on label positions (0 elsewhere, equal across K). Per position, both sides are renormalised over
-    # the K ids at `temperature` and the generalised JSD of the pair (beta: the teacher's weight in the mixture; 0 =
-    # KL(teacher || student), 1 = KL(student || teacher)) is weighted by weights[:, 0].
+    # Distillation (the native protocol's GKDLoss with a teacher's top-k logprobs): target_tokens (N, 1 + K) = the
+    # label token (its logprob is returned, not in the loss), then the teacher's top-k token ids at each position;
+    # teacher_logprobs (N, 1 + K) their logprobs (column 0 unused), weights (N, 1 + K) = 1 / the batch's label tokens
+    # on label positions (0 elsewhere and in column 0). Per position, both sides are renormalised over the K ids at
+    # `temperature` and the generalised JSD of the pair (beta: the teacher's weight in the mixture; 0 =
+    # KL(teacher || student), 1 = KL(student || teacher)) is weighted by weights[:, 1].
     LossSpec("gkd", frozenset({"target_tokens", "teacher_logprobs", "weights"}),
              config_defaults=MappingProxyType({"beta": 0.5, "temperature": 1.0}), native_only=True),
     # A loss uploaded with create_custom_loss, named by loss_fn_config["loss_id"]. The inputs it reads are declared

@@ -121,7 +121,7 @@ def _gkd_reference(logits: torch.Tensor, labels: torch.Tensor, t_lp: torch.Tenso
 @pytest.mark.parametrize("beta,temperature,response_only", [(0.5, 1.0, False), (0.0, 1.0, True),
                                                             (1.0, 2.0, False), (0.3, 0.7, True)])
 def test_gkd_equals_upstream(beta: float, temperature: float, response_only: bool) -> None:
-    vocab, k = 30, 5
+    vocab, k = 60, 5  # the rows' token ids are below 50
     feats = _features(21, rows=3, t=8)
     g = torch.Generator().manual_seed(22)
     logits = torch.randn(len(feats), 8, vocab, generator=g, dtype=torch.float64, requires_grad=True)
@@ -135,7 +135,7 @@ def test_gkd_equals_upstream(beta: float, temperature: float, response_only: boo
     batch = gkd_datums(feats, send_lp, send_ids, vocab_size=vocab, beta=beta, temperature=temperature)
     assert batch.loss_fn == "gkd"
     inputs = _job_inputs(batch)
-    # the engine's learner logprobs of the (positions, K) targets: the student's log-softmax at those ids
+    # the engine's learner logprobs of the (positions, 1 + K) targets: the student's log-softmax at those ids
     lps = [torch.gather(torch.log_softmax(logits[i], -1), -1, x["target_tokens"]) for i, x in enumerate(inputs)]
     out = compute_loss("gkd", lps, inputs, batch.config)
     expect = _gkd_reference(logits, labels, t_lp, t_ids, beta, temperature)

@@ -158,12 +158,13 @@ def _sapo(d: _Datum, cfg: Mapping[str, float]) -> tuple[torch.Tensor, None]:
 
 
 def _gkd(d: _Datum, cfg: Mapping[str, float]) -> tuple[torch.Tensor, None]:
-    """twinkle's GKDLoss with a teacher's top-k: student and teacher renormalised over the K ids at temperature t,
-    then beta * KL(T || M) + (1 - beta) * KL(S || M), M = beta T + (1 - beta) S (beta 0: KL(T || S), 1: KL(S || T)),
-    weighted per position by weights[:, 0] (which carries upstream's mean over label tokens)."""
+    """twinkle's GKDLoss with a teacher's top-k (columns 1.., column 0 is the label token, not in the loss): student
+    and teacher renormalised over the K ids at temperature t, then beta * KL(T || M) + (1 - beta) * KL(S || M),
+    M = beta T + (1 - beta) S (beta 0: KL(T || S), 1: KL(S || T)), weighted per position by weights[:, 1] (which
+    carries upstream's mean over label tokens)."""
     t, beta = cfg["temperature"], cfg["beta"]
-    s = torch.log_softmax(d.lp / t, dim=-1)
-    q = torch.log_softmax(d.x["teacher_logprobs"] / t, dim=-1)
+    s = torch.log_softmax(d.lp[..., 1:] / t, dim=-1)
+    q = torch.log_softmax(d.x["teacher_logprobs"][..., 1:] / t, dim=-1)
     if beta == 0:
         jsd = (q.exp() * (q - s)).sum(-1)
     elif beta == 1:
@@ -171,7 +172,7 @@ def _gkd(d: _Datum, cfg: Mapping[str, float]) -> tuple[torch.Tensor, None]:
     else:
         m = torch.logsumexp(torch.stack([s + math.log(1 - beta), q + math.log(beta)]), dim=0)
         jsd = beta * (q.exp() * (q - m)).sum(-1) + (1 - beta) * (s.exp() * (s - m)).sum(-1)
-    return jsd * d.x["weights"][..., 0], None
+    return jsd * d.x["weights"][..., 1], None
 
 
 def _kl_penalty(d: _Datum) -> torch.Tensor | None:

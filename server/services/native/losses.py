@@ -207,7 +207,8 @@ def _topk(name: str, i: int, value: object, f: Feature, integer: bool) -> np.nda
 def gkd_datums(features: list[Feature], topk_logprobs: object, topk_indices: object, *, vocab_size: int,
                beta: float, temperature: float) -> EngineBatch:
     """GKDLoss with a teacher's top-k logprobs and ids (e.g. a served teacher's `prompt_logprobs=K` answer): the
-    engine's `gkd` on (positions, K) targets, weighted 1 / the batch's label tokens (upstream's mean)."""
+    engine's `gkd` on (positions, 1 + K) targets (the label, then the teacher's ids), weighted 1 / the batch's label
+    tokens (upstream's mean)."""
     if topk_logprobs is None or topk_indices is None:
         raise BadRequest("GKDLoss needs teacher_topk_logprobs and teacher_topk_indices (a teacher's top-k per "
                          "position, e.g. from its sampler's prompt_logprobs); full teacher_logits are not accepted")
@@ -216,11 +217,14 @@ def gkd_datums(features: list[Feature], topk_logprobs: object, topk_indices: obj
     for i, (f, q, t) in enumerate(zip(features, _rows("teacher_topk_logprobs", topk_logprobs, features),
                                       _rows("teacher_topk_indices", topk_indices, features))):
         lp, ids = _topk("teacher_topk_logprobs", i, q, f, False), _topk("teacher_topk_indices", i, t, f, True)
-        if lp.shape != ids.shape or (datums and lp.shape[1] != datums[0][1]["target_tokens"].shape[1]):
+        if lp.shape != ids.shape or (datums and lp.shape[1] + 1 != datums[0][1]["target_tokens"].shape[1]):
             raise BadRequest("teacher_topk_logprobs and teacher_topk_indices must have the same K in every row")
         if not np.isfinite(lp).all() or ids.min() < 0 or ids.max() >= vocab_size:
             raise BadRequest(f"row {i}: teacher logprobs must be finite and token ids in [0, {vocab_size})")
-        w = np.repeat((f.mask / total)[:, None], lp.shape[1], axis=1)
-        datums.append((f.input_ids, {"target_tokens": ids, "teacher_logprobs": lp.astype(np.float32),
+        # column 0: the label token, whose logprob the pass returns (upstream's logps) and the loss does not read
+        w = np.repeat((f.mask / total)[:, None], lp.shape[1] + 1, axis=1)
+        w[:, 0] = 0.0
+        datums.append((f.input_ids, {"target_tokens": np.concatenate([f.targets[:, None], ids], axis=1),
+                                     "teacher_logprobs": np.pad(lp, ((0, 0), (1, 0))).astype(np.float32),
                                      "weights": w.astype(np.float32)}))
     return EngineBatch("gkd", datums, {"beta": beta, "temperature": temperature})

@@ -140,7 +140,8 @@ async def _pass(ctx: Context, adapter: Adapter, features: list[Feature], kwargs:
     # a value given by the batch (GRPO at ratio 1) leaves out the KL term the engine computed
     engine_loss, kl = float(out.metrics.get("loss:sum", 0.0)), float(out.metrics.get("kl:sum", 0.0))
     loss = engine_loss if batch.value is None else batch.value + kl
-    logps = [d["logprobs"].tolist() for d in out.datum_outputs()]
+    # several targets per position (GKD): the first is the label, the logprob upstream's pass returns
+    logps = [(d["logprobs"][:, 0] if d["logprobs"].ndim == 2 else d["logprobs"]).tolist() for d in out.datum_outputs()]
     return {"loss": loss, "logps": logps, "num_tokens": int(sum(int(f.mask.sum()) for f in features))}
 
 
