@@ -154,7 +154,9 @@ def test_gkd_refusals() -> None:
         (good_lp, [[[0, 99]] * m for m in n], r"token ids in \[0, 30\)"),
         ([[[-0.5]] * m for m in n], good_ids, "same K"),
         ([[[-0.5, -1.0]] * 2 for _ in n], [[[0, 1]] * 2 for _ in n], "positions"),
-        ([[[-0.5, None]] * m for m in n], good_ids, "finite"),  # None reads as NaN
+        ([[[-0.5, None]] * m for m in n], good_ids, "lists of numbers"),
+        (good_lp, [[[0, 1.5]] * m for m in n], "lists of integers"),
+        (good_lp, [[[True, False]] * m for m in n], "lists of integers"),
         ([[[-0.5, -1.0], [-0.5]] for _ in n], good_ids, "lists of numbers"),
         ([[[float("nan"), -1.0]] * m for m in n], good_ids, "finite"),
     ]

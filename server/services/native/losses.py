@@ -187,9 +187,13 @@ def _topk(name: str, i: int, value: object, f: Feature, integer: bool) -> np.nda
     """A row's teacher top-k on its positions, shape (positions, K): one entry per position (upstream's
     [rows, seq_len, K] tensors, longer ones cut) or one per label token; 0 off the label tokens."""
     try:
-        arr = np.asarray(value, dtype=np.int64 if integer else np.float64)
+        arr = np.asarray(value)
     except (ValueError, TypeError, OverflowError):
-        raise BadRequest(f"{name}[{i}] must be a list of equally long lists of numbers") from None
+        arr = np.asarray(None)
+    if arr.dtype.kind not in ("iu" if integer else "iuf"):
+        kind = "integers" if integer else "numbers"
+        raise BadRequest(f"{name}[{i}] must be a list of equally long lists of {kind}")
+    arr = arr.astype(np.int64 if integer else np.float64)
     n, mask = len(f.input_ids), f.mask
     if arr.ndim != 2 or not 1 <= arr.shape[1] <= MAX_TOPK:
         raise BadRequest(f"{name}[{i}] must hold, per position, a list of 1 to {MAX_TOPK} values")
