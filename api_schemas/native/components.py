@@ -235,7 +235,8 @@ COMPONENTS: dict[Slot, dict[str, type[Component]]] = {
     "loss": {"CrossEntropyLoss": CrossEntropyLoss, "ChunkedCrossEntropyLoss": ChunkedCrossEntropyLoss,
              "LigerFusedLinearCrossEntropyLoss": LigerFusedLinearCrossEntropyLoss, "GKDLoss": GKDLoss,
              "GRPOLoss": GRPOLoss, "PPOLoss": PPOLoss, "GSPOLoss": GSPOLoss,
-             "CISPOLoss": CISPOLoss, "BNPOLoss": BNPOLoss, "DRGRPOLoss": DRGRPOLoss, "SAPOLoss": SAPOLoss, "DPOLoss": DPOLoss,
+             "CISPOLoss": CISPOLoss, "BNPOLoss": BNPOLoss, "DRGRPOLoss": DRGRPOLoss, "SAPOLoss": SAPOLoss,
+             "DPOLoss": DPOLoss,
              "SimPOLoss": SimPOLoss, "CPOLoss": CPOLoss, "ORPOLoss": ORPOLoss},
     "optimizer": {"AdamW": AdamW, "Adam": Adam, "SGD": SGD},
     "scheduler": {

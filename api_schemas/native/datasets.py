@@ -19,7 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from api_schemas.native.components import ComponentError
 
-__all__ = ["CLASSES", "DATASET_OPTIONS", "FUNCTIONS", "PREPROCESSORS", "Args", "DataLoaderArgs", "DatasetMetaIn", "ProcessorKind",
+__all__ = ["CLASSES", "DATASET_OPTIONS", "FUNCTIONS", "PREPROCESSORS", "Args", "DataLoaderArgs", "DatasetMetaIn",
+           "ProcessorKind",
            "check_args", "class_for", "parse_dataset_meta"]
 
 ProcessorKind = Literal["dataset", "dataloader", "processor"]
