@@ -1,13 +1,18 @@
 """The native losses added on top of the first set, over plain HTTP as twinkle_client sends them: GRPOLoss with a
 KL penalty (beta > 0) to the reference logps of a `disable_lora` pass, GKDLoss with a teacher's top-k from a
-served model's sampler, the cross-entropy variants, the refused names, and packed rows read as their sequences."""
+served model's sampler (the base model, then a second served model of the same tokenizer), the cross-entropy variants, the refused names, and packed rows read as their sequences."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tests.support.native_http import Native, rows, setup_adapter
+from tests.support.server import ServerProcess
+from tests.support.tiny_model import build_tiny_model
 
 
 def _seq_mean(values: list[list[float]], feats: list[dict]) -> float:
@@ -117,3 +122,35 @@ def test_a_packed_row_is_read_as_its_sequences(a: Native) -> None:
     for x, y in zip(joined["logps"], alone["logps"]):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
     assert joined["loss"] == pytest.approx(alone["loss"], rel=1e-5)
+
+
+@pytest.fixture(scope="module")
+def student_and_teacher(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """Two served models of one tokenizer: the student (the tiny model) and a teacher of other weights."""
+    teacher = build_tiny_model(tmp_path_factory.mktemp("teacher") / "model", seed=7, logit_scale=4.0)  # peaked
+    srv = ServerProcess(tmp_path_factory.mktemp("gkd-server"), str(tiny_model_dir),
+                        args=("--served-model-name", "student", "--base-model", str(teacher),
+                              "--served-model-name", "teacher"))
+    srv.api_key_a = srv.create_key("tenant-a")  # type: ignore[attr-defined]
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+def test_gkd_between_two_served_models(student_and_teacher: ServerProcess) -> None:
+    s = Native(student_and_teacher, student_and_teacher.api_key_a)  # type: ignore[attr-defined]
+    s.model = "student"
+    setup_adapter(s, gas=1)
+    s.ok("set_loss", loss_cls="GKDLoss", adapter_name="default", beta=0.5)
+    s.ok("set_optimizer", optimizer_cls="AdamW", adapter_name="default", lr=3e-3)
+    s.ok("set_lr_scheduler", scheduler_cls="constant", adapter_name="default")
+    feats = rows(seed=29, n=2)
+    t_lp, t_ids = _teacher_topk(s, "teacher", feats, 8)
+    kw = {"teacher_topk_logprobs": t_lp, "teacher_topk_indices": t_ids}
+    losses = []
+    for _ in range(8):
+        losses.append(s.ok("forward_backward", inputs=feats, adapter_name="default", **kw)["result"]["loss"])
+        s.ok("clip_grad_and_step", adapter_name="default")
+    # the student moves towards the teacher (one run: 0.0098 -> 0.00056 over 8 steps)
+    assert losses[0] > 5e-3 and losses[-1] < 0.25 * losses[0], losses
+    assert all(b < a for a, b in zip(losses, losses[1:])), losses
