@@ -154,3 +154,11 @@ def test_gkd_between_two_served_models(student_and_teacher: ServerProcess) -> No
     # the student moves towards the teacher (one run: 0.0098 -> 0.00056 over 8 steps)
     assert losses[0] > 5e-3 and losses[-1] < 0.25 * losses[0], losses
     assert all(b < a for a, b in zip(losses, losses[1:])), losses
+    assert float(s.ok("calculate_metric", is_training=True, adapter_name="default")["result"]["loss"]) > 0
+    # the split form: forward, calculate_loss (the teacher's top-k as its kwargs), backward
+    s.ok("forward", inputs=feats, adapter_name="default")
+    split = s.ok("calculate_loss", adapter_name="default", **kw)["result"]
+    s.ok("backward", adapter_name="default")
+    s.ok("zero_grad", adapter_name="default")
+    again = s.ok("forward_backward", inputs=feats, adapter_name="default", **kw)["result"]["loss"]
+    assert float(split) == pytest.approx(again, rel=1e-5)
