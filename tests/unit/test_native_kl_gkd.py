@@ -165,5 +165,9 @@ def test_gkd_refusals() -> None:
             gkd_datums(feats, lp, ids, vocab_size=30, beta=0.5, temperature=1.0)
     with pytest.raises(LossSpecError, match="unknown loss_fn 'gkd'"):  # native only
         validate_loss_request("gkd", [{"target_tokens", "teacher_logprobs", "weights"}], {})
+    flat = torch.zeros(4, dtype=torch.float64)
+    with pytest.raises(LossSpecError, match=r"\(positions, 1 \+ K\)"):
+        compute_loss("gkd", [flat], [{"target_tokens": torch.zeros(4, dtype=torch.int64), "teacher_logprobs": flat,
+                                      "weights": flat}], {})
     with pytest.raises(LossSpecError, match="beta must be in"):
         validate_loss_request("gkd", [{"target_tokens", "teacher_logprobs", "weights"}], {"beta": 2.0}, engine=True)

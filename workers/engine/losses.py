@@ -162,6 +162,8 @@ def _gkd(d: _Datum, cfg: Mapping[str, float]) -> tuple[torch.Tensor, None]:
     and teacher renormalised over the K ids at temperature t, then beta * KL(T || M) + (1 - beta) * KL(S || M),
     M = beta T + (1 - beta) S (beta 0: KL(T || S), 1: KL(S || T)), weighted per position by weights[:, 1] (which
     carries upstream's mean over label tokens)."""
+    if d.lp.dim() != 2 or d.lp.shape[1] < 2:
+        raise LossSpecError(f"gkd: datum {d.index}: target_tokens must be (positions, 1 + K), got {tuple(d.lp.shape)}")
     t, beta = cfg["temperature"], cfg["beta"]
     s = torch.log_softmax(d.lp[..., 1:] / t, dim=-1)
     q = torch.log_softmax(d.x["teacher_logprobs"][..., 1:] / t, dim=-1)
