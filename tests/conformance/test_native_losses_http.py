@@ -1,6 +1,7 @@
 """The native losses added on top of the first set, over plain HTTP as twinkle_client sends them: GRPOLoss with a
 KL penalty (beta > 0) to the reference logps of a `disable_lora` pass, GKDLoss with a teacher's top-k from a
-served model's sampler (the base model, then a second served model of the same tokenizer), the cross-entropy variants, the refused names, and packed rows read as their sequences."""
+served model's sampler (the base model, then a second served model of the same tokenizer), the cross-entropy
+variants, the refused names, and packed rows read as their sequences."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 from tests.support.native_http import Native, rows, setup_adapter
-from tests.support.server import ServerProcess
+from tests.support.server import ServerProcess, student_teacher_server
 from tests.support.tiny_model import build_tiny_model
 
 
@@ -128,11 +129,7 @@ def test_a_packed_row_is_read_as_its_sequences(a: Native) -> None:
 def student_and_teacher(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """Two served models of one tokenizer: the student (the tiny model) and a teacher of other weights."""
     teacher = build_tiny_model(tmp_path_factory.mktemp("teacher") / "model", seed=7, logit_scale=4.0)  # peaked
-    srv = ServerProcess(tmp_path_factory.mktemp("gkd-server"), str(tiny_model_dir),
-                        args=("--served-model-name", "student", "--base-model", str(teacher),
-                              "--served-model-name", "teacher"))
-    srv.api_key_a = srv.create_key("tenant-a")  # type: ignore[attr-defined]
-    srv.start()
+    srv = student_teacher_server(tmp_path_factory.mktemp("gkd-server"), tiny_model_dir, teacher, ("student", "teacher"))
     yield srv
     srv.stop()
 

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from tests.support.server import ServerProcess, add_server_log, two_tenant_server
+from tests.support.server import student_teacher_server as serve_student_teacher
 from tests.support.tiny_model import build_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,12 +51,8 @@ def student_teacher_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPa
     """Two tiny models side by side (the distillation examples): the student (the suite's tiny model) served first,
     a teacher with other weights (another seed, the same tokenizer, a sharper output head) second."""
     teacher = build_tiny_model(tmp_path_factory.mktemp("tiny-teacher") / "model", seed=5, logit_scale=8.0)
-    srv = ServerProcess(tmp_path_factory.mktemp("distill-server"), str(tiny_model_dir),
-                        env={"TWINKLE_AUTH_CACHE_SECONDS": "1"},
-                        args=("--served-model-name", "tiny-student", "--base-model", str(teacher),
-                              "--served-model-name", "tiny-teacher"))
-    srv.api_key_a = srv.create_key("tenant-a")  # type: ignore[attr-defined]
-    srv.start()
+    srv = serve_student_teacher(tmp_path_factory.mktemp("distill-server"), tiny_model_dir, teacher,
+                                ("tiny-student", "tiny-teacher"))
     yield srv
     srv.stop()
 

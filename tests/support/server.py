@@ -110,6 +110,16 @@ def two_tenant_server(data_dir: Path, base_model: str, python: str = sys.executa
     return srv
 
 
+def student_teacher_server(data_dir: Path, student: Path, teacher: Path, names: tuple[str, str]) -> ServerProcess:
+    """A started server serving two models of one tokenizer under `names` (student first), tenant A's key."""
+    srv = ServerProcess(data_dir, str(student), env={"TWINKLE_AUTH_CACHE_SECONDS": "1"},
+                        args=("--served-model-name", names[0], "--base-model", str(teacher),
+                              "--served-model-name", names[1]))
+    srv.api_key_a = srv.create_key("tenant-a")  # type: ignore[attr-defined]
+    srv.start()
+    return srv
+
+
 def add_server_log(item: object, report: object, fixture: str) -> None:
     """In a conftest's pytest_runtest_makereport: a failed test's report gets the log of its `fixture` server."""
     funcargs = getattr(item, "funcargs", {})
