@@ -9,6 +9,7 @@ queued one, nothing may change it. Arrays travel as bytes (api_schemas/arrays.py
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Mapping, Sequence
 from enum import Enum
 from typing import Annotated, Any, Literal
@@ -194,8 +195,11 @@ class Job(Frozen):
         return queue_name(self.base_model, self.lane)
 
     def fingerprint(self) -> str:
-        """Hash of what the job asks for (not of its id): a retry must carry the same one."""
-        return hashlib.sha256(self.payload.__pydantic_serializer__.to_json(self.payload)).hexdigest()
+        """Hash of what the job asks for (not of its id): a retry must carry the same one, whichever gateway process
+        decodes it. Canonical JSON (keys sorted at every level): a protobuf map (a datum's loss_fn_inputs, the loss
+        config) decodes in an order that differs from one process to the next."""
+        canonical = json.dumps(self.payload.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 class JobError(Frozen):

@@ -14,9 +14,10 @@ class RedisServer(ManagedProcess):
     what = "redis-server"
     log_tail = 5000
 
-    def __init__(self, workdir: Path, aof: bool = False, port: int | None = None) -> None:
+    def __init__(self, workdir: Path, aof: bool = False, port: int | None = None, fsync: str = "everysec") -> None:
         self.workdir = workdir
         self.aof = aof
+        self.fsync = fsync  # with aof: "always" loses no acknowledged write to a kill -9
         self.port = port or free_port()
         super().__init__(workdir / f"redis-{self.port}.log")
 
@@ -29,7 +30,7 @@ class RedisServer(ManagedProcess):
         return shutil.which("redis-server") is not None
 
     def start(self, timeout: float = 20.0) -> RedisServer:
-        persistence = (["--appendonly", "yes", "--appendfsync", "everysec", "--save", ""] if self.aof
+        persistence = (["--appendonly", "yes", "--appendfsync", self.fsync, "--save", ""] if self.aof
                        else ["--appendonly", "no", "--save", ""])
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.launch(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir),
