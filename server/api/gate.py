@@ -2,7 +2,8 @@
 
 For the route a request is for (looked up in FastAPI's own route table, read once) the gate
 1. authenticates, if the route depends on a tenant (server/api/deps.py): with the headers that dependency
-   accepts, through server/auth/credentials.authenticate, before a byte of the body is read;
+   accepts, through server/auth/credentials.authenticate, before a byte of the body is read; then takes one
+   token of the tenant's request rate (server/auth/rate_limits.py; 429 when empty) unless the route is UNCOUNTED;
 2. reads the body, bounded (settings.max_request_bytes, or the route's own limit): a Content-Length over the limit
    is refused unread, and reading stops at the first chunk past it, with the same 413 JSON as before;
 3. answers the per-step routes itself (server/api/hot_routes.py: the gateway's CPU per step), or hands the
@@ -28,9 +29,15 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from server.api import hot_routes
 from server.api.deps import KEY_HEADERS, TENANT
 from server.auth.credentials import KeyHeaders, authenticate
-from server.errors import DomainError, PayloadTooLarge
+from server.auth.rate_limits import RequestLimiter
+from server.errors import DomainError, PayloadTooLarge, TooManyRequests
+from server.services.audit import CALLER
 
 
+# Routes a tenant's request rate does not count: polling a future and keeping a session alive must never be
+# starved by the client's own other requests (each of those counts once, and their results are polled for).
+UNCOUNTED = frozenset({"/api/v1/retrieve_future", "/api/v1/retrieve_futures", "/api/v1/session_heartbeat",
+                       "/api/v1/telemetry"})
 ROUTE = "twinkle.route"  # scope key: the template of the route a request is for (server/api/metrics.py reads it)
 
 
@@ -53,7 +60,7 @@ class _Rule:
 
 
 class Gate:
-    """`state` is the app's (ctx, key_cache); `routes` its router's routes; `limits` per path override `limit`;
+    """`state` is the app's (ctx, key_cache, rate_limiter); `routes` its router's routes; `limits` per path override `limit`;
     `hot` the fast path's routes (hot_routes.ROUTES; empty: FastAPI answers everything)."""
 
     def __init__(self, app: ASGIApp, state: State, routes: Sequence[BaseRoute], limit: BodyLimit,
@@ -70,11 +77,20 @@ class Gate:
         if rule is None:  # no such route (FastAPI's 404 / 405), or not a route of ours (docs, openapi.json)
             await self.app(scope, receive, send)
             return
+        token = CALLER.set(None)  # authenticate sets it for this request only
+        try:
+            await self._serve(rule, scope, receive, send)
+        finally:
+            CALLER.reset(token)
+
+    async def _serve(self, rule: _Rule, scope: Scope, receive: Receive, send: Send) -> None:
         scope[ROUTE] = rule.path
         try:
             if rule.keys is not None:
                 ctx = self.state.ctx
-                scope[TENANT] = await authenticate(self.state.key_cache, ctx.db.session, scope["headers"], rule.keys)
+                scope[TENANT] = tenant = await authenticate(self.state.key_cache, ctx.db, scope, rule.keys)
+                if rule.path not in UNCOUNTED:
+                    await _within_rate(self.state.rate_limiter, ctx, tenant)
             body = await read_body(scope, receive, rule.limit or self.limit)
             if body is None:  # the client went away: nothing to answer, nothing queued
                 return
@@ -86,6 +102,17 @@ class Gate:
             await hot_routes.send_bytes(send, status, hot_routes.JSON, payload, headers)
             return
         await self.app(scope, replay(body, receive), send)
+
+
+async def _within_rate(limiter: RequestLimiter, ctx: Any, tenant: str) -> None:
+    """TooManyRequests (429, Retry-After) when the tenant's request bucket is empty; the request is not read."""
+    limits = await ctx.admission.limits.get(tenant)
+    if limits.requests_per_minute is None:
+        return
+    wait = await limiter.wait(tenant, limits.requests_per_minute, limits.request_burst)
+    if wait > 0:
+        raise TooManyRequests(f"request rate limit of {limits.requests_per_minute} per minute reached; retry "
+                              f"after {wait:.1f} s", wait)
 
 
 async def read_body(scope: Scope, receive: Receive, limit: BodyLimit) -> bytes | None:

@@ -20,8 +20,9 @@ depends_on = None
 _COLUMNS = {"api_keys": ("expires_at", "changed_at"), "tenant_quotas": ("requests_per_minute", "request_burst")}
 
 
-def _type(table: str) -> sa.types.TypeEngine:  # type: ignore[type-arg]
-    return sa.DateTime(timezone=True) if table == "api_keys" else sa.Integer()
+def _column(table: str, name: str) -> sa.Column[object]:
+    kind = sa.DateTime(timezone=True) if table == "api_keys" else sa.Integer()
+    return sa.Column(name, kind, nullable=True)
 
 
 def upgrade() -> None:
@@ -31,7 +32,7 @@ def upgrade() -> None:
         with op.batch_alter_table(table) as batch:  # batch mode: SQLite cannot ALTER in place
             for name in names:
                 if name not in present:
-                    batch.add_column(sa.Column(name, _type(table), nullable=True))
+                    batch.add_column(_column(table, name))
     if "audit_log" in inspector.get_table_names():
         return
     op.create_table(
