@@ -109,11 +109,17 @@ def test_audit_log_rows(gateways) -> None:  # type: ignore[no-untyped-def]
     r = one.post(f"{RUNS}/nope/checkpoints/sampler_weights/x/publish", headers={"X-API-Key": key,
                                                                                 "X-Request-Id": "req-77"})
     assert r.status_code == 404  # not audited: nothing was published
+    put = two.put("/native/v1/hub/tokens/huggingface", json={"token": "hf_secret_token_1"},
+                  headers={"X-API-Key": key, "X-Request-Id": "req-78"})
+    assert put.status_code == 200, put.text
     _call(one, tenants.revoke, db, key_id)
     rows = _call(one, audit.entries, db, "acme")
     actions = [e.action for e in rows]
     assert actions.count("key.use") == 2  # first use on each gateway in the window, not every request
-    assert actions[0] == "key.create" and actions[-1] == "key.revoke"
+    assert actions[0] == "key.create" and actions[-1] == "key.revoke" and "checkpoint.publish" not in actions
+    token = next(e for e in rows if e.action == "hub.token.set")
+    assert (token.key_id, token.request_id, token.target) == (key_id, "req-78", "huggingface")
+    assert all("hf_secret" not in (e.target or "") for e in rows)
     use = next(e for e in rows if e.action == "key.use")
     assert use.key_id == key_id and use.client == "testclient" and use.request_id
     assert all(key not in (e.target or "") for e in rows)
