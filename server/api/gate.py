@@ -3,7 +3,8 @@
 For the route a request is for (looked up in FastAPI's own route table, read once) the gate
 1. authenticates, if the route depends on a tenant (server/api/deps.py): with the headers that dependency
    accepts, through server/auth/credentials.authenticate, before a byte of the body is read; then takes one
-   token of the tenant's request rate (server/auth/rate_limits.py; 429 when empty) unless the route is UNCOUNTED;
+   token of the tenant's request rate (server/auth/rate_limits.py; 429 when empty) unless it is not counted
+   (`rate_counted`: polling, heartbeats and the native client's routes);
 2. reads the body, bounded (settings.max_request_bytes, or the route's own limit): a Content-Length over the limit
    is refused unread, and reading stops at the first chunk past it, with the same 413 JSON as before;
 3. answers the per-step routes itself (server/api/hot_routes.py: the gateway's CPU per step), or hands the
@@ -17,7 +18,7 @@ Only FastAPI's own exception layers sit inside it, so the gate renders its error
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,8 +37,16 @@ from server.services.audit import CALLER
 
 # Routes a tenant's request rate does not count: polling a future and keeping a session alive must never be
 # starved by the client's own other requests (each of those counts once, and their results are polled for).
+# Nor are the routes of twinkle-kit's native client (tag "twinkle"): it raises on a 429 instead of retrying
+# (twinkle_client/http/http_utils.py), so a limit would fail those clients rather than slow them.
 UNCOUNTED = frozenset({"/api/v1/retrieve_future", "/api/v1/retrieve_futures", "/api/v1/session_heartbeat",
                        "/api/v1/telemetry"})
+UNCOUNTED_TAGS = frozenset({"twinkle"})
+
+
+def rate_counted(path: str, tags: Iterable[Any]) -> bool:
+    """Whether a request to this route takes a token of its tenant's request rate (see UNCOUNTED)."""
+    return path not in UNCOUNTED and UNCOUNTED_TAGS.isdisjoint(str(t) for t in tags)
 ROUTE = "twinkle.route"  # scope key: the template of the route a request is for (server/api/metrics.py reads it)
 
 
@@ -57,6 +66,7 @@ class _Rule:
     keys: KeyHeaders | None  # None: the route takes no key (health, ...)
     limit: BodyLimit | None  # None: the gate's default
     hot: bool  # a POST to a path the fast path serves
+    counted: bool  # by the tenant's request rate (rate_counted)
 
 
 class Gate:
@@ -89,7 +99,7 @@ class Gate:
             if rule.keys is not None:
                 ctx = self.state.ctx
                 scope[TENANT] = tenant = await authenticate(self.state.key_cache, ctx.db, scope, rule.keys)
-                if rule.path not in UNCOUNTED:
+                if rule.counted:
                     await _within_rate(self.state.rate_limiter, ctx, tenant)
             body = await read_body(scope, receive, rule.limit or self.limit)
             if body is None:  # the client went away: nothing to answer, nothing queued
@@ -168,8 +178,10 @@ class _Rules:
                  hot: Mapping[str, Any]) -> None:
         self._static: dict[tuple[str, str], _Rule] = {}
         self._patterns: list[tuple[re.Pattern[str], frozenset[str], _Rule]] = []
+        tags = {c.path: getattr(c, "tags", None) or () for c in _route_contexts(routes) if hasattr(c, "path")}
         for path, methods, dependant in api_routes(routes):
-            rule = _Rule(path, route_keys(dependant), limits.get(path), "POST" in methods and path in hot)
+            rule = _Rule(path, route_keys(dependant), limits.get(path), "POST" in methods and path in hot,
+                         rate_counted(path, tags.get(path, ())))
             if "{" in path:
                 self._patterns.append((compile_path(path)[0], frozenset(methods), rule))
                 continue

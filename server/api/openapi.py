@@ -6,7 +6,7 @@ request FastAPI cannot validate (422; not FastAPI's own list form). `install(app
 builder that adds to each operation the error statuses its route can answer, each with its body's schema:
 
 - 401 where the route takes an API key (the gate authenticates before anything else), and 429 where the tenant's
-  request rate counts it (all of those but the gate's UNCOUNTED polling and heartbeat routes);
+  request rate counts it (gate.rate_counted: all of those but polling, heartbeats and the native client's routes);
 - 413 where it takes a body (the gate's bound), 422 where it has parameters FastAPI validates;
 - 400 and 404 where it takes input that names or carries something (a body, path or query parameters);
 - the statuses of `EXTRA`, by path, for the errors only some routes raise (403 quota, 410 ended, 429 limits,
@@ -26,7 +26,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
-from server.api.gate import UNCOUNTED, api_routes, route_keys  # the gate's own reading of the route table
+from server.api.gate import api_routes, rate_counted, route_keys  # the gate's own reading of the route table
 
 
 class ErrorBody(BaseModel):
@@ -118,7 +118,7 @@ def statuses(path: str, op: dict[str, Any], authenticated: bool) -> list[int]:
     found: set[int] = set()
     if authenticated:
         found.add(401)
-        if path not in UNCOUNTED:
+        if rate_counted(path, op.get("tags", ())):
             found.add(429)
     if "requestBody" in op:
         found.add(413)

@@ -96,6 +96,8 @@ def test_request_rate_is_one_bucket_for_the_cluster(gateways) -> None:  # type: 
     assert limited.json()["category"] == "rate_limited" and 1 <= int(limited.headers["Retry-After"]) <= 30
     polled = one.post("/api/v1/retrieve_future", headers=headers, json={"request_id": "nope"})
     assert polled.status_code == 404  # polling is not counted: it gets its answer, not a 429
+    native = one.get("/api/v1/twinkle/training_runs", headers=headers)
+    assert native.status_code == 200, native.text  # nor is the native client's protocol (it does not retry 429)
     other, _ = _call(one, tenants.create_key, db, "other")
     assert _status(one, other) == 200  # another tenant's bucket is its own
 
