@@ -70,8 +70,8 @@ class _Rule:
 
 
 class Gate:
-    """`state` is the app's (ctx, key_cache, rate_limiter); `routes` its router's routes; `limits` per path override `limit`;
-    `hot` the fast path's routes (hot_routes.ROUTES; empty: FastAPI answers everything)."""
+    """`state` is the app's (ctx, key_cache, rate_limiter); `routes` its router's routes; `limits` per path
+    override `limit`; `hot` the fast path's routes (hot_routes.ROUTES; empty: FastAPI answers everything)."""
 
     def __init__(self, app: ASGIApp, state: State, routes: Sequence[BaseRoute], limit: BodyLimit,
                  limits: Mapping[str, BodyLimit] | None = None,
