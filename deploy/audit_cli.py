@@ -9,7 +9,7 @@ import json
 from collections.abc import Callable
 from dataclasses import asdict
 
-from deploy.usage_cli import _since
+from deploy.usage_cli import since_argument
 from server.config import Settings
 
 
@@ -17,7 +17,7 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser,
              settings_of: Callable[[argparse.Namespace], Settings]) -> None:
     audit = sub.add_parser("audit", parents=[common], help="the audit log: key use, key changes, deletes, publishes")
     audit.add_argument("--tenant", help="only this tenant (by name)")
-    audit.add_argument("--since", type=_since, help="from this ISO 8601 time, or this long ago (7d, 24h, 30m)")
+    audit.add_argument("--since", type=since_argument, help="from this ISO 8601 time, or this long ago (7d, 24h, 30m)")
     audit.add_argument("--action", help="only this action, or a prefix ending in * (key.*)")
     audit.add_argument("--limit", type=int, default=1000, help="the newest N rows (default 1000)")
     audit.add_argument("--json", action="store_true", help="one JSON object per row")

@@ -8,6 +8,7 @@ training and sampling tokens to such a bucket; `RequestLimiter` charges each HTT
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -55,6 +56,8 @@ class TokenBucket:
         self.level = min(self.level, self.capacity)
 
 
+log = logging.getLogger(__name__)
+
 # KEYS: the tenant's bucket (Keys.request_bucket). ARGV: tokens per millisecond, burst.
 # Returns 0 (one token taken) or the milliseconds until one is there (nothing taken). Redis' clock: every gateway
 # shares it, so their clocks need not agree.
@@ -84,13 +87,20 @@ class RequestLimiter:
         self._bucket = bucket
         self._clock = clock
         self._local: dict[str, TokenBucket] = {}
+        self._warned = float("-inf")  # when Redis being away was last logged (once a minute at most)
 
     async def wait(self, tenant_id: str, per_minute: int, burst: int | None) -> float:
         cap = max(1, burst if burst is not None else per_minute)
         if per_minute <= 0:
             return 60.0  # a tenant limited to no requests: always told to come back later
         if self._script is not None and self._bucket is not None:
-            waited = await self._script(keys=[self._bucket(tenant_id)], args=[per_minute / 60_000.0, cap])
+            try:
+                waited = await self._script(keys=[self._bucket(tenant_id)], args=[per_minute / 60_000.0, cap])
+            except Exception as e:  # Redis away: the request goes (what it needs from Redis will answer for it)
+                if self._clock() - self._warned >= 60:
+                    self._warned = self._clock()
+                    log.warning("request rate limits not applied: Redis: %s: %s", type(e).__name__, e)
+                return 0.0
             return int(waited) / 1000.0
         now = self._clock()
         bucket = self._local.get(tenant_id)

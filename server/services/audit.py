@@ -16,16 +16,15 @@ from __future__ import annotations
 
 import contextvars
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from jobqueue.logs import REQUEST_ID
+from server.db import audit_repo
 from server.db.database import Database
-from server.db.models import AuditRow, TenantRow
+from server.db.models import AuditRow
 from server.db.usage_repo import aware
 
 # (key id, client address) of the request being served; unset outside a request (operator commands, sweeps)
@@ -50,8 +49,9 @@ def add(s: AsyncSession, tenant_id: str, action: str, target: str | None = None)
     """Append one row for the request (or operator command) being served, in the caller's transaction."""
     caller = CALLER.get()
     key_id, client = caller if caller is not None else (None, CLI)
-    s.add(AuditRow(tenant_id=tenant_id, key_id=key_id, action=action, target=target[:512] if target else None,
-                   request_id=REQUEST_ID.get() if caller is not None else None, client=client))
+    audit_repo.add(s, AuditRow(tenant_id=tenant_id, key_id=key_id, action=action,
+                               target=target[:512] if target else None,
+                               request_id=REQUEST_ID.get() if caller is not None else None, client=client))
 
 
 async def record(db: Database, tenant_id: str, action: str, target: str | None = None) -> None:
@@ -84,15 +84,7 @@ async def entries(db: Database, tenant: str | None = None, since: datetime | Non
                   action: str | None = None, limit: int = 1000) -> list[Entry]:
     """The newest `limit` rows (oldest first), filtered by tenant name, time and action (a trailing `*` matches
     a prefix: `checkpoint.*`)."""
-    q = select(AuditRow, TenantRow.name).outerjoin(TenantRow, TenantRow.id == AuditRow.tenant_id)
-    if tenant is not None:
-        q = q.where(TenantRow.name == tenant)
-    if since is not None:
-        q = q.where(AuditRow.at >= since)
-    if action is not None:
-        q = q.where(AuditRow.action.startswith(action[:-1]) if action.endswith("*") else AuditRow.action == action)
     async with db.session() as s:
-        rows: Sequence[tuple[AuditRow, str | None]] = (
-            await s.execute(q.order_by(AuditRow.id.desc()).limit(limit))).tuples().all()
+        rows = await audit_repo.newest(s, tenant, since, action, limit)
     return [Entry(aware(r.at), name or "?", r.tenant_id, r.key_id, r.action, r.target, r.request_id, r.client)
             for r, name in reversed(rows)]

@@ -50,3 +50,14 @@ def test_embedded_revocation_bound_is_the_check_interval(tmp_path: Path, every: 
             await db.close()
 
     assert asyncio.run(run()) == after_revoke
+
+
+def test_request_limits_fail_open_without_redis() -> None:
+    class Away:  # a Redis client whose every script call fails, as when Redis is down
+        def register_script(self, _: str):  # type: ignore[no-untyped-def]
+            async def call(**_: object) -> int:
+                raise ConnectionError("redis is down")
+            return call
+
+    limiter = RequestLimiter(Away(), lambda t: f"bucket:{t}")
+    assert asyncio.run(limiter.wait("a", 1, 1)) == 0.0  # the request goes; the limit is not applied meanwhile
