@@ -27,6 +27,7 @@ from typing import Any, Protocol
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from server.db import repositories as repo
+from server.db.usage_repo import aware
 from server.services.audit import KeyUse
 
 KEY_PREFIX = "tml-"
@@ -122,7 +123,7 @@ class KeyCache:
         if len(self._entries) >= self.max_entries:
             self._entries.clear()
         if self.ttl > 0:
-            expires = row.expires_at.timestamp() if row.expires_at is not None else None
+            expires = aware(row.expires_at).timestamp() if row.expires_at is not None else None
             self._entries[digest] = _Entry(found, time.monotonic() + self.ttl, expires, generation)
         return found
 

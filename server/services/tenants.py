@@ -14,6 +14,7 @@ from server.auth.keys import generate_key, hash_key
 from server.db import repositories as repo
 from server.db.database import Database
 from server.db.models import ApiKeyRow, TenantRow, utcnow
+from server.db.usage_repo import aware
 from server.errors import NotFound
 from server.services import audit
 
@@ -56,7 +57,7 @@ async def rotate_key(db: Database, tenant_name: str, grace: timedelta) -> tuple[
         ends = now + grace
         old = list(await repo.active_keys_of(s, tenant.id))
         for row in old:
-            row.expires_at = ends if row.expires_at is None else min(row.expires_at, ends)
+            row.expires_at = ends if row.expires_at is None else min(aware(row.expires_at), ends)
             row.changed_at = now
         key = generate_key()
         new = ApiKeyRow(tenant_id=tenant.id, key_hash=hash_key(key), prefix=key[:10],

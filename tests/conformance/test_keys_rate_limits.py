@@ -76,3 +76,16 @@ def test_no_key_is_ever_logged(srv: ServerProcess) -> None:
     assert not re.search(r"tml-[A-Za-z0-9_-]{20,}", log)  # not a key of anyone (the first-start box prints none)
     audit = cli("audit", "--tenant", "logged", data_dir=srv.data_dir)
     assert "key.create" in audit and "key.use" in audit and "key.revoke" in audit and key not in audit
+
+
+def test_rotate_key_command(srv: ServerProcess) -> None:
+    old = srv.create_key("rotating")
+    assert httpx.get(f"{srv.base_url}{RUNS}", headers={"X-API-Key": old}).status_code == 200
+    new = cli("tenants", "rotate-key", "rotating", "--grace", "1h", data_dir=srv.data_dir).strip()
+    assert new.startswith("tml-") and new != old
+    assert [httpx.get(f"{srv.base_url}{RUNS}", headers={"X-API-Key": k}).status_code for k in (old, new)] == [200, 200]
+    newest = cli("tenants", "rotate-key", "rotating", "--grace", "0", data_dir=srv.data_dir).strip()
+    answers = [httpx.get(f"{srv.base_url}{RUNS}", headers={"X-API-Key": k}).status_code for k in (old, new, newest)]
+    assert answers == [401, 401, 200]  # grace 0: every older key ends at once
+    assert "expires" in cli("keys", "list", data_dir=srv.data_dir)
+    assert cli("audit", "--action", "key.rotate", "--json", data_dir=srv.data_dir).count('"key.rotate"') == 2
