@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from deploy import tenants_cli, usage_cli
+from deploy import audit_cli, tenants_cli, usage_cli
 from deploy.console import key_box, run_gateway
 from jobqueue import logs
 from server.config import Settings
@@ -137,16 +137,18 @@ def _keys(args: argparse.Namespace) -> int:
             print(key)
             print(f"key id {key_id} for tenant {args.tenant!r}; store it now, it is not shown again", file=sys.stderr)
         elif args.keys_cmd == "list":
-            print(f"{'id':>4}  {'tenant':<24} {'prefix':<12} {'admin':<6} {'created':<26} revoked")
+            print(f"{'id':>4}  {'tenant':<24} {'prefix':<12} {'admin':<6} {'created':<26} {'revoked':<26} expires")
             for k in await tenants.list_keys(db):
                 print(f"{k.key_id:>4}  {k.tenant:<24} {k.prefix:<12} {'yes' if k.admin else '-':<6} "
-                      f"{k.created_at.isoformat():<26} {k.revoked_at or '-'}")
+                      f"{k.created_at.isoformat():<26} {str(k.revoked_at or '-'):<26} {k.expires_at or '-'}")
         elif args.keys_cmd == "revoke":
             await tenants.revoke(db, args.key_id)
             print(f"revoked key {args.key_id}", file=sys.stderr)
+            return await tenants_cli.announced(settings)
         return 0
 
-    return run_db_command(_settings(args), body)
+    settings = _settings(args)
+    return run_db_command(settings, body)
 
 
 def _model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -239,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     keys.set_defaults(func=_keys)
     tenants_cli.register(sub, common, _settings)  # `tenants set-quota` / `tenants list`
     usage_cli.register(sub, common, _settings)  # `usage [--tenant T] [--since ...]`
+    audit_cli.register(sub, common, _settings)  # `audit [--tenant T] [--since ...] [--action A]`
 
     args = parser.parse_args(argv)
     return int(args.func(args))

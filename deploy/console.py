@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from jobqueue.logs import KeyRedaction
 from server.config import Settings
 
 
@@ -59,6 +60,7 @@ def run_gateway(app: Any, settings: Settings) -> None:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(AccessFormatter("%(asctime)s %(levelname)s %(name)s: %(client_addr)s - "
                                              '"%(request_line)s" %(status_code)s', use_colors=False))
+        handler.addFilter(KeyRedaction())  # a key in a query string is masked (jobqueue/logs.py)
         access.addHandler(handler)
         access.propagate = False
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, log_level=None,

@@ -16,7 +16,8 @@ _COLUMNS = ("tokens_trained", "tokens_forward", "tokens_sampled", "tokens_prefil
             "adapter_hours")
 
 
-def _since(text: str) -> datetime:
+def since_argument(text: str) -> datetime:
+    """--since of `usage` and `audit`: an ISO 8601 time or a duration ago (7d, 24h, 30m)."""
     from server.services.usage import parse_since
 
     try:
@@ -29,7 +30,7 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser,
              settings_of: Callable[[argparse.Namespace], Settings]) -> None:
     usage = sub.add_parser("usage", parents=[common], help="tenants' usage: tokens, stored bytes, adapter-hours")
     usage.add_argument("--tenant", help="only this tenant (by name)")
-    usage.add_argument("--since", type=_since, help="from this ISO 8601 time, or this long ago (7d, 24h, 30m)")
+    usage.add_argument("--since", type=since_argument, help="from this ISO 8601 time, or this long ago (7d, 24h, 30m)")
     usage.add_argument("--json", action="store_true", help="one JSON object per tenant")
     usage.set_defaults(func=lambda args: _usage(args, settings_of(args)))
 

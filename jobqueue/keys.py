@@ -107,3 +107,14 @@ class Keys:
     def done_channel(self) -> str:
         """Pub/sub channel: "j:<job_id>" when a result is stored, "f:<feed>" when a feed gets an event."""
         return f"{self.prefix}:done"
+
+    @property
+    def auth_generation(self) -> str:
+        """Counter incremented after every API key change (revoke, rotate); a gateway trusts its cached keys only
+        while it is unchanged (server/auth/keys.py). Never expires."""
+        return f"{self.prefix}:auth:generation"
+
+    def request_bucket(self, tenant_id: str) -> str:
+        """Hash: level, at (ms): the tenant's request-rate bucket shared by every gateway (server/auth/rate_limits.py).
+        Expires once it would be full again."""
+        return f"{self.prefix}:ratelimit:{tenant_id}"

@@ -7,7 +7,7 @@ context, httpx, uvicorn's start-up lines, Ray, transformers) is off, so a start 
 `exc` for a traceback). The request id is a context variable: the gateway's HTTP middleware sets it for each
 request (the client's `X-Request-Id` when it is a plain token, else a new one), the job builder copies it into
 the Job (`Job.request_id`), and the worker sets it again while it runs that job. Messages never carry API keys
-(nothing here logs headers or bodies).
+(nothing here logs headers or bodies, and `KeyRedaction` masks a key-shaped string anywhere in a message).
 """
 
 from __future__ import annotations
@@ -48,6 +48,25 @@ def request_id_from(header: bytes | None) -> str:
     return f"{_PROCESS}{next(_NEXT):08x}"
 
 
+_KEY = re.compile(r"tml-[A-Za-z0-9_-]{6,}")  # an API key's shape (server/auth/keys.py)
+
+
+class KeyRedaction(logging.Filter):
+    """Masks anything shaped like an API key in a record's message: a key a client put where none belongs (a
+    query string in uvicorn's access line, a path, a body echoed in an error) never reaches the log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str) and "tml-" in record.msg:
+            record.msg = _redact(record.msg)
+        if isinstance(record.args, tuple):  # kept a tuple: uvicorn's access formatter reads its fields
+            record.args = tuple(_redact(str(a)) if "tml-" in str(a) else a for a in record.args)
+        return True
+
+
+def _redact(text: str) -> str:
+    return _KEY.sub("tml-[redacted]", text)
+
+
 class _RequestIdFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if not hasattr(record, "request_id"):
@@ -73,6 +92,7 @@ def configure(level: str = "INFO", log_format: LogFormat = "text") -> None:
     """The process's root handler (stderr) at `level`; libraries' INFO off unless the level is DEBUG."""
     handler = logging.StreamHandler(sys.stderr)
     handler.addFilter(_RequestIdFilter())
+    handler.addFilter(KeyRedaction())
     if log_format == "json":
         handler.setFormatter(JsonFormatter())
     else:

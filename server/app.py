@@ -31,10 +31,12 @@ from server.api.native import processor as native_processor
 from server.api.native import sampler as native_sampler
 from server.api.native import usage as native_usage
 from server.api.tinker import checkpoints, custom_losses, downloads, runs
-from server.auth.keys import KeyCache
+from server.auth.keys import Generation, KeyCache, RedisGeneration, SqlGeneration
+from server.auth.rate_limits import RequestLimiter
 from server.config import Settings
 from server.db.database import Database
 from server.errors import DomainError
+from server.services.audit import KeyUse
 from server.services.context import Context
 from server.services.lifecycle import run_maintenance
 from server.services.quotas import Admission
@@ -89,7 +91,7 @@ def create_app(
             await db.close()
 
     app = FastAPI(title="Twinkle server", version="0.1.0", lifespan=lifespan, **_telemetry(settings))
-    app.state.key_cache = KeyCache(settings.auth_cache_seconds)
+    app.state.key_cache, app.state.rate_limiter = _key_cache(settings, queue)
     # Routes are matched in order: the per-step ones (training, futures) first; no two of these paths overlap.
     for module in (training, futures, sampling, sessions, models, bootstrap):
         app.include_router(module.router, prefix="/api/v1", tags=["tinker"])
@@ -131,6 +133,19 @@ def create_app(
         return JSONResponse({"detail": "invalid request body", "errors": errors, "category": "user"}, status_code=422)
 
     return app
+
+
+def _key_cache(settings: Settings, queue: GatewayQueue) -> tuple[KeyCache, RequestLimiter]:
+    """The API key cache and the request limiter: watching (and shared through) Redis in cluster mode,
+    in-process otherwise (server/auth/keys.py, server/auth/rate_limits.py)."""
+    from jobqueue.redis_queue import RedisQueue
+
+    generation: Generation = SqlGeneration(settings.auth_check_seconds)
+    limiter = RequestLimiter()
+    if isinstance(queue, RedisQueue):
+        generation = RedisGeneration(queue.client, queue.keys.auth_generation)
+        limiter = RequestLimiter(queue.client, queue.keys.request_bucket)
+    return KeyCache(settings.auth_cache_seconds, generation, KeyUse(settings.audit_key_use_seconds)), limiter
 
 
 def _log_crash(task: asyncio.Task[None]) -> None:

@@ -61,7 +61,12 @@ class Settings(BaseSettings):
     native_processor_objects_per_tenant: int = Field(20, gt=0)
     native_processor_rows_per_tenant: int = Field(100_000, gt=0)  # see native_processor_objects_per_tenant
     native_processor_bytes_per_tenant: int = Field(32 * 1024 * 1024, gt=0)  # see native_processor_objects_per_tenant
-    auth_cache_seconds: float = Field(5.0, ge=0)  # a revoked key stops working within this many seconds
+    # API keys (server/auth/keys.py): a cached key is re-read from SQL after auth_cache_seconds, at once after a
+    # key change in cluster mode (Redis), within auth_check_seconds without Redis; a key's first use in each
+    # audit_key_use_seconds window is written to the audit log (per gateway)
+    auth_cache_seconds: float = Field(5.0, ge=0)
+    auth_check_seconds: float = Field(1.0, ge=0)  # see auth_cache_seconds
+    audit_key_use_seconds: float = Field(3600.0, gt=0)  # see auth_cache_seconds
     log_level: str = "INFO"  # below DEBUG, libraries' INFO logs are off (jobqueue/logs.py)
     log_format: Literal["text", "json"] = "text"  # json: one object per line, with request ids
     # One log line per HTTP request (uvicorn's access log). Off by default: the SDK's long-polls and heartbeats
@@ -103,6 +108,10 @@ class Settings(BaseSettings):
     quota_max_resident_adapters: int | None = Field(None, gt=0)  # see quota_max_models
     quota_tokens_per_minute: int | None = Field(None, gt=0)  # see quota_max_models
     quota_max_concurrent_requests: int | None = Field(None, gt=0)  # see quota_max_models
+    # HTTP requests per minute per tenant (a token bucket, shared by a cluster's gateways through Redis; futures
+    # polling and heartbeats are not counted) and the burst above it (default: a minute's worth); over: 429
+    quota_requests_per_minute: int | None = Field(None, gt=0)
+    quota_request_burst: int | None = Field(None, gt=0)  # see quota_requests_per_minute
     quota_cache_seconds: float = Field(5.0, ge=0)  # a changed quota applies within this many seconds
     # what one process's base models and full-parameter copies may take in memory (workers/memory.py): a model or
     # a copy beyond it is refused up front, saying what it needs. None: the memory free when it is loaded

@@ -4,6 +4,7 @@ gate in front of the routes (server/api/gate.py)."""
 from __future__ import annotations
 
 import json
+import math
 
 
 class DomainError(Exception):
@@ -38,3 +39,13 @@ class Gone(DomainError):
 
 class PayloadTooLarge(DomainError):
     status, category = 413, "user"
+
+
+class TooManyRequests(DomainError):
+    """429 with Retry-After (whole seconds, at least 1): the SDKs wait that long and send the request again."""
+
+    status, category = 429, "rate_limited"
+
+    def __init__(self, message: str, retry_after: float) -> None:
+        super().__init__(message)
+        self.headers = {"Retry-After": str(max(1, math.ceil(retry_after)))}

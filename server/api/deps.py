@@ -45,7 +45,7 @@ async def _tenant(request: Request, accepted: KeyHeaders) -> str:
     tenant: str | None = request.scope.get(TENANT)
     if tenant is None:  # a route the gate did not see (none in create_app's app): the same check, here
         ctx: Context = request.app.state.ctx  # not Depends(get_ctx): one dependency less to solve per request
-        tenant = await authenticate(request.app.state.key_cache, ctx.db.session, request.scope["headers"], accepted)
+        tenant = await authenticate(request.app.state.key_cache, ctx.db, request.scope, accepted)
     return tenant
 
 

@@ -2,7 +2,9 @@
 
 For the route a request is for (looked up in FastAPI's own route table, read once) the gate
 1. authenticates, if the route depends on a tenant (server/api/deps.py): with the headers that dependency
-   accepts, through server/auth/credentials.authenticate, before a byte of the body is read;
+   accepts, through server/auth/credentials.authenticate, before a byte of the body is read; then takes one
+   token of the tenant's request rate (server/auth/rate_limits.py; 429 when empty) unless it is not counted
+   (`rate_counted`: polling, heartbeats and the native client's routes);
 2. reads the body, bounded (settings.max_request_bytes, or the route's own limit): a Content-Length over the limit
    is refused unread, and reading stops at the first chunk past it, with the same 413 JSON as before;
 3. answers the per-step routes itself (server/api/hot_routes.py: the gateway's CPU per step), or hands the
@@ -16,7 +18,7 @@ Only FastAPI's own exception layers sit inside it, so the gate renders its error
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,9 +30,23 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from server.api import hot_routes
 from server.api.deps import KEY_HEADERS, TENANT
 from server.auth.credentials import KeyHeaders, authenticate
-from server.errors import DomainError, PayloadTooLarge
+from server.auth.rate_limits import RequestLimiter
+from server.errors import DomainError, PayloadTooLarge, TooManyRequests
+from server.services.audit import CALLER
 
 
+# Routes a tenant's request rate does not count: polling a future and keeping a session alive must never be
+# starved by the client's own other requests (each of those counts once, and their results are polled for).
+# Nor are the routes of twinkle-kit's native client (tag "twinkle"): it raises on a 429 instead of retrying
+# (twinkle_client/http/http_utils.py), so a limit would fail those clients rather than slow them.
+UNCOUNTED = frozenset({"/api/v1/retrieve_future", "/api/v1/retrieve_futures", "/api/v1/session_heartbeat",
+                       "/api/v1/telemetry"})
+UNCOUNTED_TAGS = frozenset({"twinkle"})
+
+
+def rate_counted(path: str, tags: Iterable[Any]) -> bool:
+    """Whether a request to this route takes a token of its tenant's request rate (see UNCOUNTED)."""
+    return path not in UNCOUNTED and UNCOUNTED_TAGS.isdisjoint(str(t) for t in tags)
 ROUTE = "twinkle.route"  # scope key: the template of the route a request is for (server/api/metrics.py reads it)
 
 
@@ -50,11 +66,12 @@ class _Rule:
     keys: KeyHeaders | None  # None: the route takes no key (health, ...)
     limit: BodyLimit | None  # None: the gate's default
     hot: bool  # a POST to a path the fast path serves
+    counted: bool  # by the tenant's request rate (rate_counted)
 
 
 class Gate:
-    """`state` is the app's (ctx, key_cache); `routes` its router's routes; `limits` per path override `limit`;
-    `hot` the fast path's routes (hot_routes.ROUTES; empty: FastAPI answers everything)."""
+    """`state` is the app's (ctx, key_cache, rate_limiter); `routes` its router's routes; `limits` per path
+    override `limit`; `hot` the fast path's routes (hot_routes.ROUTES; empty: FastAPI answers everything)."""
 
     def __init__(self, app: ASGIApp, state: State, routes: Sequence[BaseRoute], limit: BodyLimit,
                  limits: Mapping[str, BodyLimit] | None = None,
@@ -70,11 +87,20 @@ class Gate:
         if rule is None:  # no such route (FastAPI's 404 / 405), or not a route of ours (docs, openapi.json)
             await self.app(scope, receive, send)
             return
+        token = CALLER.set(None)  # authenticate sets it for this request only
+        try:
+            await self._serve(rule, scope, receive, send)
+        finally:
+            CALLER.reset(token)
+
+    async def _serve(self, rule: _Rule, scope: Scope, receive: Receive, send: Send) -> None:
         scope[ROUTE] = rule.path
         try:
             if rule.keys is not None:
                 ctx = self.state.ctx
-                scope[TENANT] = await authenticate(self.state.key_cache, ctx.db.session, scope["headers"], rule.keys)
+                scope[TENANT] = tenant = await authenticate(self.state.key_cache, ctx.db, scope, rule.keys)
+                if rule.counted:
+                    await _within_rate(self.state.rate_limiter, ctx, tenant)
             body = await read_body(scope, receive, rule.limit or self.limit)
             if body is None:  # the client went away: nothing to answer, nothing queued
                 return
@@ -86,6 +112,17 @@ class Gate:
             await hot_routes.send_bytes(send, status, hot_routes.JSON, payload, headers)
             return
         await self.app(scope, replay(body, receive), send)
+
+
+async def _within_rate(limiter: RequestLimiter, ctx: Any, tenant: str) -> None:
+    """TooManyRequests (429, Retry-After) when the tenant's request bucket is empty; the request is not read."""
+    limits = await ctx.admission.limits.get(tenant)
+    if limits.requests_per_minute is None:
+        return
+    wait = await limiter.wait(tenant, limits.requests_per_minute, limits.request_burst)
+    if wait > 0:
+        raise TooManyRequests(f"request rate limit of {limits.requests_per_minute} per minute reached; retry "
+                              f"after {wait:.1f} s", wait)
 
 
 async def read_body(scope: Scope, receive: Receive, limit: BodyLimit) -> bytes | None:
@@ -141,8 +178,10 @@ class _Rules:
                  hot: Mapping[str, Any]) -> None:
         self._static: dict[tuple[str, str], _Rule] = {}
         self._patterns: list[tuple[re.Pattern[str], frozenset[str], _Rule]] = []
+        tags = {c.path: getattr(c, "tags", None) or () for c in _route_contexts(routes) if hasattr(c, "path")}
         for path, methods, dependant in api_routes(routes):
-            rule = _Rule(path, route_keys(dependant), limits.get(path), "POST" in methods and path in hot)
+            rule = _Rule(path, route_keys(dependant), limits.get(path), "POST" in methods and path in hot,
+                         rate_counted(path, tags.get(path, ())))
             if "{" in path:
                 self._patterns.append((compile_path(path)[0], frozenset(methods), rule))
                 continue

@@ -5,7 +5,8 @@ Every error the gateway sends is one of two JSON bodies (server/errors.py, app.p
 request FastAPI cannot validate (422; not FastAPI's own list form). `install(app)` replaces `app.openapi` with a
 builder that adds to each operation the error statuses its route can answer, each with its body's schema:
 
-- 401 where the route takes an API key (the gate authenticates before anything else);
+- 401 where the route takes an API key (the gate authenticates before anything else), and 429 where the tenant's
+  request rate counts it (gate.rate_counted: all of those but polling, heartbeats and the native client's routes);
 - 413 where it takes a body (the gate's bound), 422 where it has parameters FastAPI validates;
 - 400 and 404 where it takes input that names or carries something (a body, path or query parameters);
 - the statuses of `EXTRA`, by path, for the errors only some routes raise (403 quota, 410 ended, 429 limits,
@@ -25,14 +26,14 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
-from server.api.gate import api_routes, route_keys  # the gate's own reading of the route table
+from server.api.gate import api_routes, rate_counted, route_keys  # the gate's own reading of the route table
 
 
 class ErrorBody(BaseModel):
     """Every 4xx/5xx answer but a 422."""
 
     detail: str
-    category: Literal["user", "server"]
+    category: Literal["user", "server", "rate_limited"]
 
 
 class FieldError(BaseModel):
@@ -117,6 +118,8 @@ def statuses(path: str, op: dict[str, Any], authenticated: bool) -> list[int]:
     found: set[int] = set()
     if authenticated:
         found.add(401)
+        if rate_counted(path, op.get("tags", ())):
+            found.add(429)
     if "requestBody" in op:
         found.add(413)
     if "422" in op.get("responses", {}) or takes_input:

@@ -11,9 +11,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from starlette.types import Scope
+
 from server.auth.keys import KeyCache, SessionFactory, hash_key
 from server.db import repositories as repo
+from server.db.database import Database
 from server.errors import Unauthorized
+from server.services import audit
 
 # Headers whose value is `Bearer <key>`; another value in them is no key (a later accepted header may hold one).
 _BEARER = frozenset({b"authorization", b"twinkle-authorization"})
@@ -48,16 +52,20 @@ def api_key(headers: Sequence[tuple[bytes, bytes]], accepted: KeyHeaders) -> str
     return None
 
 
-async def authenticate(cache: KeyCache, sessions: SessionFactory, headers: Sequence[tuple[bytes, bytes]],
-                       accepted: KeyHeaders) -> str:
-    """The tenant of the request's key, or Unauthorized (401) for a missing, unknown or revoked one."""
-    key = api_key(headers, accepted)
+async def authenticate(cache: KeyCache, db: Database, scope: Scope, accepted: KeyHeaders) -> str:
+    """The tenant of the request's key, or Unauthorized (401) for a missing, unknown, revoked or expired one.
+    Leaves the caller (key id, client address) in audit.CALLER and records the key's first use in a window."""
+    key = api_key(scope["headers"], accepted)
     if not key:
         raise Unauthorized(accepted.missing)
-    tenant_id = await cache.tenant(sessions, key)
-    if tenant_id is None:
+    caller = await cache.caller(db.session, key)
+    if caller is None:
         raise Unauthorized("invalid or revoked API key")
-    return tenant_id
+    client = scope.get("client")
+    audit.CALLER.set((caller.key_id, client[0] if client else None))
+    if cache.uses is not None and cache.uses.due(caller.key_id):
+        await audit.record(db, caller.tenant_id, "key.use", f"key {caller.key_id}")
+    return caller.tenant_id
 
 
 async def is_operator(sessions: SessionFactory, headers: Sequence[tuple[bytes, bytes]], accepted: KeyHeaders) -> bool:

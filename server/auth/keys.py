@@ -1,4 +1,18 @@
-"""API keys are random `tml-` strings shown once; only their SHA-256 is stored (high entropy: no salt needed)."""
+"""API keys are random `tml-` strings shown once; only their SHA-256 is stored (high entropy: no salt needed).
+
+The gateway caches key hash -> (tenant, key id) so the hot path skips one SQL round trip per request. A cached
+entry is used only while the *key generation* it was read under is still current, so a key change (revoke,
+rotate: server/services/tenants.py) applies on every gateway without waiting for the cache to expire:
+
+- cluster mode (Redis): the generation is a Redis counter (`Keys.auth_generation`) that the operator command
+  increments after its SQL commit; every request with a cached key reads it (one GET), so a revoked key answers
+  401 on the first request any gateway receives after `keys revoke` returns;
+- embedded mode (no Redis; the operator command is another process): the generation is the newest
+  `api_keys.changed_at`, read from SQL at most every `auth_check_seconds`, so a revoked key works at most that long.
+
+A rotated key's grace period ends on its own: the entry carries the key's `expires_at` and is checked against the
+clock on every use. `ttl` (auth_cache_seconds) stays the bound when the generation cannot be read or bumped.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +21,14 @@ import secrets
 import time
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from server.db import repositories as repo
+from server.db.usage_repo import aware
+from server.services.audit import KeyUse
 
 KEY_PREFIX = "tml-"
 
@@ -25,32 +43,109 @@ def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
+@dataclass(frozen=True)
+class Caller:
+    """Who a request's key belongs to: never the key itself."""
+
+    tenant_id: str
+    key_id: int
+
+
+class Generation(Protocol):
+    async def current(self, s_factory: SessionFactory) -> object: ...
+
+
+class RedisGeneration:
+    """The cluster's key generation: a Redis counter, read on each use (an unreadable one matches nothing)."""
+
+    def __init__(self, client: Any, name: str) -> None:
+        self.client, self.name = client, name
+
+    async def current(self, s_factory: SessionFactory) -> object:
+        try:
+            return await self.client.get(self.name)
+        except Exception:  # Redis away: treat every cached entry as stale (SQL answers)
+            return object()
+
+
+class SqlGeneration:
+    """One gateway's key generation without Redis: the newest `api_keys.changed_at`, re-read every `every` s."""
+
+    def __init__(self, every: float) -> None:
+        self.every = every
+        self._value: object = None
+        self._read_at = float("-inf")
+
+    async def current(self, s_factory: SessionFactory) -> object:
+        now = time.monotonic()
+        if now - self._read_at >= self.every:
+            async with s_factory() as s:
+                self._value = await repo.keys_changed_at(s)
+            self._read_at = now
+        return self._value
+
+
+@dataclass(frozen=True)
+class _Entry:
+    caller: Caller
+    until: float  # monotonic: the cache's ttl
+    expires: float | None  # wall clock (epoch seconds): a rotated key's end of grace
+    generation: object
+
+
 class KeyCache:
-    """Key hash -> tenant for `ttl` seconds, so the hot path skips one SQL round trip per request.
+    """`uses`: where a key's first use in each window is recorded (server/services/audit.py), None: not recorded."""
 
-    A revoked key stops working within `ttl` seconds (documented); unknown keys are not cached.
-    """
-
-    def __init__(self, ttl: float, max_entries: int = 10_000) -> None:
+    def __init__(self, ttl: float, generation: Generation | None = None, uses: KeyUse | None = None,
+                 max_entries: int = 10_000) -> None:
         self.ttl = ttl
+        self.generation = generation
+        self.uses = uses
         self.max_entries = max_entries
-        self._entries: dict[str, tuple[str, float]] = {}
+        self._entries: dict[str, _Entry] = {}
 
-    async def tenant(self, s_factory: SessionFactory, key: str | None) -> str | None:
+    async def caller(self, s_factory: SessionFactory, key: str | None) -> Caller | None:
+        """The key's tenant and id, or None for a missing, unknown, revoked or expired key."""
         if not key or not key.startswith(KEY_PREFIX) or len(key) > 256:
             return None
         digest = hash_key(key)
         hit = self._entries.get(digest)
-        now = time.monotonic()
-        if hit is not None and hit[1] > now:
-            return hit[0]
+        generation = await self.generation.current(s_factory) if self.generation is not None else None
+        if hit is not None and hit.until > time.monotonic() and hit.generation == generation:
+            if hit.expires is None or time.time() < hit.expires:
+                return hit.caller
         async with s_factory() as s:
             row = await repo.active_key_by_hash(s, digest)
         if row is None:
             self._entries.pop(digest, None)
             return None
+        found = Caller(row.tenant_id, row.id)
         if len(self._entries) >= self.max_entries:
             self._entries.clear()
         if self.ttl > 0:
-            self._entries[digest] = (row.tenant_id, now + self.ttl)
-        return row.tenant_id
+            expires = aware(row.expires_at).timestamp() if row.expires_at is not None else None
+            self._entries[digest] = _Entry(found, time.monotonic() + self.ttl, expires, generation)
+        return found
+
+    async def tenant(self, s_factory: SessionFactory, key: str | None) -> str | None:
+        found = await self.caller(s_factory, key)
+        return found.tenant_id if found is not None else None
+
+
+async def announce_key_change(redis_url: str | None, prefix: str) -> bool:
+    """After a key change is committed to SQL: bump the cluster's key generation (no-op without Redis). False when
+    Redis could not be reached (gateways then notice within auth_cache_seconds)."""
+    if not redis_url:
+        return True
+    import redis.asyncio as aioredis
+
+    from jobqueue.keys import Keys
+
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        await client.incr(Keys(prefix).auth_generation)
+        return True
+    except Exception:
+        return False
+    finally:
+        await client.aclose()

@@ -46,6 +46,10 @@ class ApiKeyRow(Base):
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     # an operator's key (`keys create --admin`): the dashboard shows it every tenant (migration 0010)
     admin: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    # migration 0012: a rotated key works until `expires_at` (its grace period); `changed_at` is the last create,
+    # rotate or revoke of the key (a gateway without Redis watches its max, server/auth/keys.py)
+    expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    changed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 
 
 class SessionRow(Base):
@@ -200,6 +204,8 @@ class TenantQuotaRow(Base):
     max_resident_adapters: Mapped[int | None] = mapped_column(Integer, nullable=True)  # on the accelerator at once
     tokens_per_minute: Mapped[int | None] = mapped_column(Integer, nullable=True)  # training + sampling tokens
     max_concurrent_requests: Mapped[int | None] = mapped_column(Integer, nullable=True)  # queued or running
+    requests_per_minute: Mapped[int | None] = mapped_column(Integer, nullable=True)  # HTTP requests (0012)
+    request_burst: Mapped[int | None] = mapped_column(Integer, nullable=True)  # requests at once over the rate
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
@@ -231,3 +237,18 @@ class UsageRow(Base):
     tokens_forward: Mapped[int] = mapped_column(BigInteger, default=0)  # forward-only datums' tokens
     tokens_sampled: Mapped[int] = mapped_column(BigInteger, default=0)  # generated tokens delivered
     tokens_prefilled: Mapped[int] = mapped_column(BigInteger, default=0)  # sample prompts' tokens
+
+
+class AuditRow(Base):
+    """One audited event (server/services/audit.py, migration 0012): a key's first use in a window, a key change
+    or a destructive action. `key_id` is the acting key (None: an operator command); never the key itself."""
+
+    __tablename__ = "audit_log"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)
+    tenant_id: Mapped[str] = mapped_column(String(64), index=True)
+    key_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    action: Mapped[str] = mapped_column(String(64))
+    target: Mapped[str | None] = mapped_column(String(512), nullable=True)
+    request_id: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    client: Mapped[str | None] = mapped_column(String(128), nullable=True)  # the client's address, or "cli"

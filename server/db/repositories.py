@@ -32,9 +32,23 @@ async def add(s: AsyncSession, row: object) -> None:
     await s.flush()
 
 
+def _active() -> Any:
+    """Not revoked, and not past a rotation's grace period."""
+    return and_(ApiKeyRow.revoked_at.is_(None), or_(ApiKeyRow.expires_at.is_(None), ApiKeyRow.expires_at > utcnow()))
+
+
 async def active_key_by_hash(s: AsyncSession, key_hash: str) -> ApiKeyRow | None:
-    q = select(ApiKeyRow).where(ApiKeyRow.key_hash == key_hash, ApiKeyRow.revoked_at.is_(None))
+    q = select(ApiKeyRow).where(ApiKeyRow.key_hash == key_hash, _active())
     return (await s.execute(q)).scalar_one_or_none()
+
+
+async def active_keys_of(s: AsyncSession, tenant_id: str) -> Sequence[ApiKeyRow]:
+    return (await s.execute(select(ApiKeyRow).where(ApiKeyRow.tenant_id == tenant_id, _active()))).scalars().all()
+
+
+async def keys_changed_at(s: AsyncSession) -> datetime | None:
+    """The newest create, rotate or revoke of any key (server/auth/keys.py SqlGeneration)."""
+    return (await s.execute(select(func.max(ApiKeyRow.changed_at)))).scalar_one_or_none()
 
 
 async def list_keys(s: AsyncSession) -> Sequence[tuple[ApiKeyRow, TenantRow]]:

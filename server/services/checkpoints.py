@@ -22,7 +22,7 @@ from server.db import lifecycle_repo as lrepo
 from server.db import repositories as repo
 from server.db.models import CheckpointRow, utcnow
 from server.errors import BadRequest, DomainError, NotFound
-from server.services import jobs
+from server.services import audit, jobs
 from server.services.context import Context
 
 log = logging.getLogger(__name__)
@@ -165,6 +165,7 @@ async def delete(ctx: Context, tenant_id: str, model_id: str, kind: str, name: s
     if row.status == "pending":
         raise BadRequest(f"checkpoint {row.tinker_path} is still being saved; delete it once the save has finished")
     await _remove(ctx, row)
+    await audit.record(ctx.db, tenant_id, "checkpoint.delete", row.tinker_path)
 
 
 async def _remove(ctx: Context, row: CheckpointRow) -> None:
@@ -189,6 +190,7 @@ async def set_public(ctx: Context, tenant_id: str, model_id: str, kind: str, nam
         fresh = await s.get(CheckpointRow, row.id)
         if fresh is not None:
             fresh.public = public
+        audit.add(s, tenant_id, "checkpoint.publish" if public else "checkpoint.unpublish", row.tinker_path)
 
 
 async def set_ttl(ctx: Context, tenant_id: str, model_id: str, kind: str, name: str, ttl: int | None) -> None:
@@ -198,6 +200,7 @@ async def set_ttl(ctx: Context, tenant_id: str, model_id: str, kind: str, name: 
         fresh = await s.get(CheckpointRow, row.id)
         if fresh is not None:
             fresh.expires_at = expires
+        audit.add(s, tenant_id, "checkpoint.ttl", f"{row.tinker_path} ttl={ttl}")
 
 
 async def quota_left(ctx: Context, tenant_id: str, model_id: str, kind: str, name: str) -> int | None:

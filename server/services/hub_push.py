@@ -20,6 +20,7 @@ from server.db import lifecycle_repo as lrepo
 from server.db import repositories as repo
 from server.db.models import AutoPushRow, HubPushRow, HubTokenRow, utcnow
 from server.errors import BadRequest, DomainError, NotFound
+from server.services import audit
 from server.services import checkpoints as ckpt
 from server.services.context import Context
 from server.services.downloads import keyring
@@ -47,6 +48,7 @@ async def set_token(ctx: Context, tenant_id: str, provider: Provider, token: str
             row = HubTokenRow(tenant_id=tenant_id, provider=provider, ciphertext=sealed)
             s.add(row)
         row.ciphertext, row.created_at = sealed, utcnow()
+        audit.add(s, tenant_id, "hub.token.set", provider)
     return HubTokenStatus(provider=provider, configured=True, updated_at=row.created_at)
 
 
@@ -60,6 +62,7 @@ async def token_status(ctx: Context, tenant_id: str, provider: Provider) -> HubT
 async def delete_token(ctx: Context, tenant_id: str, provider: Provider) -> HubTokenStatus:
     async with ctx.db.session() as s:
         await lrepo.delete_hub_token(s, tenant_id, provider)
+        audit.add(s, tenant_id, "hub.token.delete", provider)
     return HubTokenStatus(provider=provider, configured=False)
 
 
@@ -84,6 +87,7 @@ async def start_push(ctx: Context, tenant_id: str, req: PushRequest) -> PushStat
                     "request")
     async with ctx.db.session() as s:
         await repo.add(s, row)
+        audit.add(s, tenant_id, "hub.push", f"{row.id} {source.tinker_path} -> {req.provider}:{req.repo_id}")
     _start(ctx, row)
     return to_wire(row)
 
@@ -197,6 +201,7 @@ async def set_auto_push(ctx: Context, tenant_id: str, model_id: str, req: AutoPu
             row = AutoPushRow(model_id=model_id, tenant_id=tenant_id, provider=req.provider, repo_id=req.repo_id)
             s.add(row)
         row.provider, row.repo_id, row.private, row.push_id = req.provider, req.repo_id, req.private, None
+        audit.add(s, tenant_id, "hub.auto_push", f"{model_id} -> {req.provider}:{req.repo_id}")
     return _auto_wire(row)
 
 
@@ -214,6 +219,7 @@ async def delete_auto_push(ctx: Context, tenant_id: str, model_id: str) -> None:
         if row is None:
             raise NotFound(f"training run {model_id} has no auto-push setting")
         await s.delete(row)
+        audit.add(s, tenant_id, "hub.auto_push.delete", model_id)
 
 
 def _auto_wire(row: AutoPushRow) -> AutoPushStatus:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -35,7 +34,7 @@ from api_schemas.jobs import (
 )
 from jobqueue.base import DuplicateJobMismatch, GatewayQueue, JobInfo, cancelled_result
 from server.auth.rate_limits import TokenBucket
-from server.errors import DomainError
+from server.errors import TooManyRequests
 from server.services.full_param import creates_full_run, lease_wait_reason
 from server.services.tenant_limits import Limits, TenantLimits
 
@@ -43,12 +42,8 @@ RECHECK_SECONDS = 2.0  # a held create (models limit) or a request waiting for a
 _SLOTS = "concurrent requests limit"
 
 
-class RateLimited(DomainError):
-    status, category = 429, "user"
-
-    def __init__(self, message: str, retry_after: float) -> None:
-        super().__init__(message)
-        self.headers = {"Retry-After": str(max(1, math.ceil(retry_after)))}
+class RateLimited(TooManyRequests):
+    category = "user"  # a sample over the tenant's token or concurrency quota
 
 
 def job_tokens(job: Job) -> int:

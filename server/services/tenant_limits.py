@@ -18,6 +18,7 @@ from server.db import repositories as repo
 from server.db.database import Database
 from server.db.models import TenantQuotaRow, utcnow
 from server.errors import NotFound
+from server.services import audit
 
 
 @dataclass(frozen=True)
@@ -28,11 +29,14 @@ class Limits:
     max_resident_adapters: int | None = None
     tokens_per_minute: int | None = None
     max_concurrent_requests: int | None = None
+    requests_per_minute: int | None = None  # HTTP requests the gate lets through (server/auth/rate_limits.py)
+    request_burst: int | None = None  # requests at once above that rate (None: a minute's worth)
 
     @classmethod
     def defaults(cls, settings: Settings) -> Limits:
         return cls(settings.quota_max_models, settings.quota_max_resident_adapters, settings.quota_tokens_per_minute,
-                   settings.quota_max_concurrent_requests)
+                   settings.quota_max_concurrent_requests, settings.quota_requests_per_minute,
+                   settings.quota_request_burst)
 
     def over(self, row: TenantQuotaRow | None) -> Limits:
         """These defaults, overridden by the row's non-NULL values."""
@@ -118,10 +122,11 @@ async def set_quota(db: Database, tenant_name: str, **values: int | None | objec
         if row is None:
             row = TenantQuotaRow(tenant_id=tenant.id)
             s.add(row)
-        for name, value in values.items():
-            if value is not UNSET:
-                setattr(row, name, value)
+        changed = {name: value for name, value in values.items() if value is not UNSET}
+        for name, value in changed.items():
+            setattr(row, name, value)
         row.updated_at = utcnow()
+        audit.add(s, tenant.id, "tenant.quota", ", ".join(f"{n}={v}" for n, v in changed.items()))
         return Limits().over(row)
 
 
