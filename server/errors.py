@@ -38,3 +38,9 @@ class Gone(DomainError):
 
 class PayloadTooLarge(DomainError):
     status, category = 413, "user"
+
+
+class OverLimit(DomainError):
+    """The tenant holds as many of something as it may (sessions, models, server-held data, ...)."""
+
+    status, category = 429, "user"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from api_schemas.tinker.types import CreateSessionRequest
+from api_schemas.tinker.types import MAX_METADATA_ITEMS, MAX_METADATA_KEY, MAX_METADATA_VALUE, CreateSessionRequest
 from server.db import repositories as repo
 from server.db.models import SQL_INT_MAX
 from server.errors import BadRequest, Gone, NotFound
@@ -20,7 +20,6 @@ from server.services import runs, sessions
 from server.services.context import Context
 
 NATIVE_SDK = "twinkle_client"
-MAX_METADATA_ITEMS = 64
 
 
 async def create_session(ctx: Context, tenant_id: str, metadata: object) -> str:
@@ -29,7 +28,7 @@ async def create_session(ctx: Context, tenant_id: str, metadata: object) -> str:
     items = list((metadata or {}).items())
     if len(items) > MAX_METADATA_ITEMS:
         raise BadRequest(f"metadata holds at most {MAX_METADATA_ITEMS} entries")
-    user_metadata = {str(k)[:128]: str(v)[:1024] for k, v in items}
+    user_metadata = {str(k)[:MAX_METADATA_KEY]: str(v)[:MAX_METADATA_VALUE] for k, v in items}
     req = CreateSessionRequest(tags=["twinkle-native"], user_metadata=user_metadata, sdk_version=NATIVE_SDK)
     return await sessions.create_session(ctx, tenant_id, req)
 
