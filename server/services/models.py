@@ -65,7 +65,8 @@ async def create_model(ctx: Context, tenant_id: str, req: CreateModelRequest) ->
     if lora is None:  # twinkle-kit's create_full_training_client: a full-parameter run, on a lease
         full_param.require_offered(ctx.settings, served.name)
     elif lora.rank > ctx.settings.max_lora_rank:
-        raise BadRequest(f"lora rank {lora.rank} exceeds this server's maximum {ctx.settings.max_lora_rank}")
+        raise BadRequest(f"lora rank {lora.rank} exceeds this server's maximum {ctx.settings.max_lora_rank} "
+                         "(max_lora_rank)")
     if lora is not None and not (lora.train_attn or lora.train_mlp or lora.train_unembed):
         raise BadRequest("at least one of train_attn, train_mlp, train_unembed must be true")
     if req.optimizer_config.type not in SUPPORTED_OPTIMIZERS:

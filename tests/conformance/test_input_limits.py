@@ -1,0 +1,398 @@
+"""Every input limit of issue 19, on every client family that can send it, as one table (SECURITY.md "Input limits").
+
+A server of its own with tight limits (body 32 KiB, 4 datums, LoRA rank 8, caps of 4 live sessions, 6 models and 3
+sampling sessions per tenant) on the tiny model (vocabulary 384, context 1024). Each OVER case sends the input just
+past a limit and must get its status with the limit and the value named in the body, and queue nothing: after it a
+probe tenant's forward_backward and sample run, and the workers' finished jobs (`twinkle_jobs_total`, Skips aside)
+moved by exactly those two. Each UNDER case sends the input at the limit and must be accepted.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import tinker
+from tinker import types
+from tinker.proto import tinker_public_pb2 as pb
+
+from tests.conformance.isolation_world import ADAM
+from tests.conformance.test_quotas import _fb_body as rows_body
+from tests.conformance.test_security import _fb_body, _result
+from tests.support.native_http import LORA, Native, rows
+from tests.support.prom import scrape
+from tests.support.server import ServerProcess
+
+BODY, DATUMS, RANK, SESSIONS, MODELS, SAMPLERS = 32768, 4, 8, 4, 6, 3
+PROTO = {"Content-Type": "application/x-protobuf"}
+
+
+@pytest.fixture(scope="module")
+def srv(server_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    env = {"TWINKLE_MAX_REQUEST_BYTES": str(BODY), "TWINKLE_MAX_DATUMS_PER_REQUEST": str(DATUMS),
+           "TWINKLE_MAX_LORA_RANK": str(RANK), "TWINKLE_MAX_SESSIONS_PER_TENANT": str(SESSIONS),
+           "TWINKLE_MAX_MODELS_PER_TENANT": str(MODELS), "TWINKLE_MAX_SAMPLING_SESSIONS_PER_TENANT": str(SAMPLERS)}
+    s = ServerProcess(tmp_path_factory.mktemp("input-limits"), str(server_model_dir), env=env)
+    s.keys = {t: s.create_key(t) for t in ("a", "b", "c", "probe")}  # type: ignore[attr-defined]
+    s.start()
+    yield s
+    s.stop()
+
+
+@dataclass
+class Tenant:
+    """One tenant's raw-HTTP view: a session, a model whose seq_ids the test keeps, a sampling session."""
+
+    srv: ServerProcess
+    key: str
+    http: httpx.Client = field(init=False)
+    session: str = ""
+    model: str = ""
+    seq: int = 1
+    sampler: str = ""
+    sample_seq: int = 1
+
+    def __post_init__(self) -> None:
+        self.http = httpx.Client(base_url=self.srv.base_url, headers={"X-API-Key": self.key}, timeout=60)
+
+    def post(self, path: str, **kw: Any) -> httpx.Response:
+        if "json" in kw:  # NaN and Infinity as Python's json writes them (httpx refuses to)
+            kw["content"], kw["headers"] = json.dumps(kw.pop("json")), {"Content-Type": "application/json"}
+        return self.http.post(path if path.startswith("/") else f"/api/v1/{path}", **kw)
+
+    def ok(self, path: str, **kw: Any) -> Any:
+        r = self.post(path, **kw)
+        assert r.status_code == 200, (path, r.text)
+        return r.json()
+
+    def new_session(self) -> str:
+        return str(self.ok("create_session", json={"tags": []})["session_id"])
+
+    def create_model(self, session: str, seq: int, rank: int = 2) -> httpx.Response:
+        return self.post("create_model", json={"session_id": session, "model_seq_id": seq,
+                                               "base_model": self.srv.base_model, "lora_config": {"rank": rank}})
+
+    def setup(self) -> Tenant:
+        self.session = self.new_session()
+        fut = self.create_model(self.session, 0).json()
+        assert "model_id" in _result(self.srv, self.key, fut["request_id"]).json()
+        self.model = fut["model_id"]
+        self.sampler = self.ok("create_sampling_session", json={
+            "session_id": self.session, "sampling_session_seq_id": 0, "base_model": self.srv.base_model,
+        })["sampling_session_id"]
+        return self
+
+    def take_seq(self) -> int:
+        self.seq += 1
+        return self.seq - 1
+
+    def fb(self, body: Callable[[str, int], bytes]) -> httpx.Response:
+        """A protobuf forward_backward on the model at its next seq_id (a 400 from the service consumes it)."""
+        r = self.post("forward_backward", content=body(self.model, self.seq), headers=PROTO)
+        self.seq += r.status_code in (200, 400)
+        return r
+
+    def json_fb(self, datums: list[dict[str, Any]]) -> httpx.Response:
+        """0.16.1's JSON forward_backward body."""
+        body = {"model_id": self.model, "seq_id": self.seq,
+                "forward_backward_input": {"data": datums, "loss_fn": "cross_entropy"}}
+        r = self.post("forward_backward", content=json.dumps(body), headers={"Content-Type": "application/json"})
+        self.seq += r.status_code in (200, 400)
+        return r
+
+    def sample(self, tokens: list[int], num_samples: int = 1, **params: Any) -> httpx.Response:
+        self.sample_seq += 1
+        return self.post("asample", json={"sampling_session_id": self.sampler, "seq_id": self.sample_seq, "num_samples":
+                                          num_samples, "prompt": {"chunks": [{"type": "encoded_text",
+                                                                              "tokens": tokens}]},
+                                          "sampling_params": {"max_tokens": 1, **params}})
+
+    def done(self, r: httpx.Response) -> Any:
+        """An accepted request's future, retrieved: it must succeed."""
+        assert r.status_code == 200, r.text
+        out = _result(self.srv, self.key, r.json()["request_id"])
+        assert out.status_code == 200 and "error" not in (out.json() if out.headers["content-type"].startswith(
+            "application/json") else {}), out.text
+        return out
+
+
+def jdatum(tokens: list[int], weights: list[float] | None = None) -> dict[str, Any]:
+    n = len(tokens)
+    w = [1.0] * n if weights is None else weights
+    return {"model_input": {"chunks": [{"type": "encoded_text", "tokens": tokens}]}, "loss_fn_inputs": {
+        "target_tokens": {"data": tokens, "dtype": "int64", "shape": [n]},
+        "weights": {"data": w, "dtype": "float32", "shape": [n]}}}
+
+
+def is_body(model: str, seq: int, advantages: list[float]) -> bytes:
+    """An importance_sampling forward_backward of one datum with these advantages."""
+    n = len(advantages)
+    datum = pb.Datum(model_input=[pb.Chunk(encoded_text=pb.EncodedTextChunk(tokens=struct.pack(f"<{n}i", *[5] * n)))])
+    for name, arr, dt in (("target_tokens", np.full(n, 6, "<i8"), pb.DTYPE_INT64),
+                          ("logprobs", np.full(n, -1.0, "<f4"), pb.DTYPE_FLOAT32),
+                          ("advantages", np.asarray(advantages, "<f4"), pb.DTYPE_FLOAT32)):
+        datum.loss_fn_inputs[name].CopyFrom(pb.Tensor(dense=arr.tobytes(), dtype=dt, shape=[n]))
+    return pb.ForwardBackwardRequest(model_id=model, seq_id=seq, data=[datum],
+                                     loss_fn="importance_sampling").SerializeToString()
+
+
+@dataclass
+class World:
+    srv: ServerProcess
+    vocab: int
+    ctx: int
+    a: Tenant
+    probe: Tenant
+    native: Native
+
+    def native_op(self, op: str, **body: Any) -> httpx.Response:
+        return self.native.http.post(f"/model/{self.srv.base_model}/twinkle/{op}", content=json.dumps(
+            {"adapter_name": "default", **body}), headers={"Content-Type": "application/json"})
+
+    def native_sample(self, inputs: list[dict[str, Any]], **params: Any) -> httpx.Response:
+        return self.native.http.post(f"/sampler/{self.srv.base_model}/twinkle/sample", json={
+            "inputs": inputs, "sampling_params": {"max_tokens": 1, **params}})
+
+    def chat(self, **body: Any) -> httpx.Response:
+        return self.a.post("/v1/chat/completions", json={"model": self.srv.base_model, "max_tokens": 1, "messages": [
+            {"role": "user", "content": "hi"}], **body})
+
+    def jobs(self) -> Counter[str]:
+        """Jobs the workers finished, by kind (Skips, which a refused request's seq_id becomes, left out)."""
+        return Counter({dict(ls)["kind"]: int(v) for (n, ls), v in scrape(self.srv.base_url).items()
+                        if n == "twinkle_jobs_total" and dict(ls)["kind"] != "skip" and v})
+
+    def settle(self) -> None:
+        """The probe tenant's forward_backward and sample, run to their end: whatever was queued before is done."""
+        self.probe.done(self.probe.fb(lambda m, s: _fb_body(m, s, [5, 6], [6, 7], [1.0, 1.0])))
+        self.probe.done(self.probe.sample([5, 6]))
+
+
+@pytest.fixture(scope="module")
+def w(srv: ServerProcess, server_model_dir: Path) -> World:
+    config = json.loads((server_model_dir / "config.json").read_text())
+    keys = srv.keys  # type: ignore[attr-defined]
+    native = Native(srv, keys["a"])
+    assert native.ok("add_adapter_to_model", adapter_name="default", config=LORA)["adapter_name"] == "default"
+    a = Tenant(srv, keys["a"]).setup()
+    a.done(a.post("save_weights", json={"model_id": a.model, "seq_id": a.take_seq(), "path": "kept"}))
+    return World(srv, config["vocab_size"], config["max_position_embeddings"], a, Tenant(srv, keys["probe"]).setup(),
+                 native)
+
+
+Send = Callable[[World], httpx.Response]
+# (limit, client family, the request just over the limit, its status, words its body must hold)
+OVER: list[tuple[str, str, Send, int, tuple[str, ...]]] = [
+    ("body size", "tinker protobuf", lambda w: w.a.fb(lambda m, s: rows_body(m, s, [[5] * 1100] * 2)), 413,
+     (f"{BODY} bytes",)),
+    ("body size", "tinker json", lambda w: w.a.json_fb([jdatum([5] * 1000)] * 4), 413, (f"{BODY} bytes",)),
+    ("body size", "native", lambda w: w.native_op("forward_backward", inputs=[{"input_ids": [5] * (BODY // 2)}]), 413,
+     (f"{BODY} bytes",)),
+    ("body size", "openai", lambda w: w.chat(messages=[{"role": "user", "content": "x" * BODY}]), 413,
+     (f"{BODY} bytes",)),
+    ("body size", "rest", lambda w: w.a.post("sessions/search", json={"display_name": "x" * BODY}), 413,
+     (f"{BODY} bytes",)),
+    ("datums per request", "tinker protobuf", lambda w: w.a.fb(lambda m, s: rows_body(m, s, [[5, 6]] * 5)), 400,
+     ("5 datums", f"limit is {DATUMS}")),
+    ("datums per request", "tinker json", lambda w: w.a.json_fb([jdatum([5, 6])] * 5), 400,
+     ("5 datums", f"limit is {DATUMS}")),
+    ("datums per request", "native", lambda w: w.native_op("forward_backward", inputs=rows(n=5)), 400,
+     ("5 rows", f"at most {DATUMS}")),
+    ("tokens per datum", "tinker protobuf", lambda w: w.a.fb(lambda m, s: rows_body(m, s, [[5] * (w.ctx + 2)])),
+     400, (f"{1025} tokens", "context of 1024")),
+    ("tokens per datum", "tinker json", lambda w: w.a.json_fb([jdatum([5] * (w.ctx + 1))]), 400,
+     ("1025 tokens", "context of 1024")),
+    ("tokens per datum", "native", lambda w: w.native_op("forward_backward", inputs=[
+        {"input_ids": [5] * (w.ctx + 1), "labels": [6] * (w.ctx + 1)}]), 400, ("1025 tokens", "1 to 1024")),
+    ("tokens per datum", "tinker sample", lambda w: w.a.sample([5] * w.ctx), 400, ("1024 tokens", "context is 1024")),
+    ("tokens per datum", "native sample", lambda w: w.native_sample([{"input_ids": [5] * w.ctx}]), 400,
+     ("1024 tokens", "context (1024)")),
+    ("tokens per datum", "openai", lambda w: w.chat(messages=[{"role": "user", "content": "q x " * 1500}]), 400,
+     ("tokens", "context is 1024")),
+    ("vocabulary", "tinker protobuf", lambda w: w.a.fb(lambda m, s: _fb_body(m, s, [5, w.vocab], [6, 7], [1, 1])),
+     400, ("outside the vocabulary", "384")),
+    ("vocabulary", "tinker protobuf", lambda w: w.a.fb(lambda m, s: _fb_body(m, s, [5, 6], [6, -1], [1, 1])), 400,
+     ("target_tokens", "outside the vocabulary")),
+    ("vocabulary", "tinker json", lambda w: w.a.json_fb([jdatum([5, w.vocab])]), 400, ("outside the vocabulary",)),
+    ("vocabulary", "native", lambda w: w.native_op("forward_backward", inputs=[
+        {"input_ids": [5, w.vocab], "labels": [6, 7]}]), 400, ("input_ids", "outside the vocabulary [0, 384)")),
+    ("vocabulary", "tinker sample", lambda w: w.a.sample([5, w.vocab]), 400, ("prompt token ids", "[0, 384)")),
+    ("vocabulary", "tinker sample stop", lambda w: w.a.sample([5, 6], stop=[w.vocab]), 400, ("stop", "[0, 384)")),
+    ("vocabulary", "native sample", lambda w: w.native_sample([{"input_ids": [5, w.vocab]}]), 400,
+     ("vocabulary [0, 384)",)),
+    ("non-finite", "tinker protobuf", lambda w: w.a.fb(lambda m, s: _fb_body(m, s, [5, 6], [6, 7], [1, np.nan])),
+     400, ("weights", "NaN or Inf")),
+    ("non-finite", "tinker protobuf", lambda w: w.a.fb(lambda m, s: is_body(m, s, [1.0, np.inf])), 400,
+     ("advantages", "NaN or Inf")),
+    ("non-finite", "tinker json", lambda w: w.a.json_fb([jdatum([5, 6], [1.0, float("nan")])]), 400,
+     ("weights", "NaN or Inf")),
+    ("non-finite", "tinker optim_step", lambda w: w.a.post("optim_step", json={
+        "model_id": w.a.model, "seq_id": w.a.seq, "adam_params": {**ADAM, "learning_rate": float("inf")}}), 422,
+     ("learning_rate", "finite")),
+    ("non-finite", "tinker sample", lambda w: w.a.sample([5, 6], temperature=float("nan")), 422,
+     ("temperature", "finite")),
+    ("non-finite", "openai", lambda w: w.chat(top_p=float("nan")), 422, ("top_p",)),
+    ("non-finite", "native", lambda w: w.native_op("set_optimizer", optimizer_cls="AdamW", lr=float("nan")), 400,
+     ("lr",)),
+    ("max_tokens", "tinker sample", lambda w: w.a.sample([5, 6], max_tokens=w.ctx + 1), 400,
+     ("max_tokens 1025", "context of 1024")),
+    ("max_tokens", "native sample", lambda w: w.native_sample([{"input_ids": [5, 6]}], max_tokens=w.ctx + 1), 400,
+     ("max_tokens 1025", "context of 1024")),
+    ("max_tokens", "openai", lambda w: w.chat(max_tokens=w.ctx + 1), 400, ("max_tokens 1025", "context of 1024")),
+    ("num_samples", "tinker sample", lambda w: w.a.sample([5, 6], num_samples=129), 400, ("num_samples", "128")),
+    ("num_samples", "native sample", lambda w: w.native_sample([{"input_ids": [5, 6]}], num_samples=129), 400,
+     ("num_samples", "128")),
+    ("num_samples", "openai", lambda w: w.chat(n=17), 422, ("n", "16")),
+    ("lora rank", "tinker", lambda w: w.a.create_model(w.a.session, 90, rank=RANK + 1), 400,
+     ("rank 9", f"maximum {RANK}", "max_lora_rank")),
+    ("lora rank", "native", lambda w: w.native_op("add_adapter_to_model", adapter_name="r9", config=json.dumps(
+        {**json.loads(LORA), "r": RANK + 1})), 400, ("r must be", f"1 to {RANK}", "9")),
+    ("lora target modules", "native", lambda w: w.native_op("add_adapter_to_model", adapter_name="tm", config=(
+        json.dumps({**json.loads(LORA), "target_modules": ["q_proj", "not_a_layer"]}))), 400,
+     ("target_modules", "not_a_layer")),
+    ("lora target modules", "tinker", lambda w: w.a.post("create_model", json={
+        "session_id": w.a.session, "model_seq_id": 91, "base_model": w.srv.base_model, "lora_config": {
+            "rank": 2, "train_attn": False, "train_mlp": False, "train_unembed": False}}), 400, ("train_attn",)),
+    ("checkpoint name", "tinker", lambda w: w.a.post("save_weights", json={
+        "model_id": w.a.model, "seq_id": w.a.seq, "path": "../escape"}), 400, ("checkpoint name", "../escape")),
+    ("checkpoint name", "tinker", lambda w: w.a.post("save_weights", json={
+        "model_id": w.a.model, "seq_id": w.a.seq, "path": "n" * 129}), 400, ("checkpoint name", "nnnn")),
+    ("checkpoint name", "rest", lambda w: w.a.post("save_weights_external", json={
+        "model_id": w.a.model, "seq_id": w.a.seq, "path": "a b"}), 422, ("path", "pattern")),
+    ("adapter name", "native", lambda w: w.native.op("add_adapter_to_model", adapter_name="x" * 65, config=LORA),
+     400, ("adapter_name", "1-64")),
+    ("metadata", "tinker", lambda w: w.a.post("create_session", json={
+        "user_metadata": {f"k{i}": "v" for i in range(65)}}), 422, ("65 entries", "limit is 64")),
+    ("metadata", "tinker", lambda w: w.a.post("create_session", json={"user_metadata": {"k" * 129: "v"}}), 422,
+     ("129 characters", "limit is 128")),
+    ("metadata", "tinker", lambda w: w.a.post("create_model", json={
+        "session_id": w.a.session, "model_seq_id": 92, "base_model": w.srv.base_model,
+        "user_metadata": {"k": "v" * 1025}}), 422, ("longer than 1024",)),
+    ("metadata", "tinker", lambda w: w.a.post("create_session", json={"tags": ["t" * 129]}), 422,
+     ("tags", "128 characters")),
+    ("metadata", "native", lambda w: w.native.http.post("/twinkle/create_session", json={
+        "metadata": {f"k{i}": "v" for i in range(65)}}), 400, ("metadata", "64 entries")),
+    ("ttl", "tinker", lambda w: w.a.post("save_weights", json={
+        "model_id": w.a.model, "seq_id": w.a.seq, "path": "ttl", "ttl_seconds": 3599}), 400,
+     ("ttl_seconds", "3600")),
+    ("ttl", "rest", lambda w: w.a.http.put(f"/api/v1/training_runs/{w.a.model}/checkpoints/weights/kept/ttl",
+                                           json={"ttl_seconds": 10 * 365 * 24 * 3600 + 1}), 400,
+     ("ttl_seconds", "315360000")),
+]
+
+
+@pytest.mark.parametrize("limit, family, send, status, words", OVER, ids=[f"{c[0]}-{c[1]}" for c in OVER])
+def test_over_the_limit_is_refused_and_queues_nothing(w: World, limit: str, family: str, send: Send, status: int,
+                                                      words: tuple[str, ...]) -> None:
+    before = w.jobs()
+    r = send(w)
+    assert r.status_code == status, (r.status_code, r.text[:500])
+    body = r.json()
+    assert body["category"] == "user" and isinstance(body["detail"], str)
+    for word in words:
+        assert word in r.text, (word, body)
+    if "save_weights" in str(r.request.url) or "optim_step" in str(r.request.url):
+        w.a.seq += status == 400
+    w.settle()
+    assert w.jobs() - before == Counter({"forward_backward": 1, "sample": 1}), (w.jobs() - before)
+
+
+def _native_adapter(native: Native, name: str, rank: int, modules: list[str]) -> httpx.Response:
+    config = json.dumps({**json.loads(LORA), "r": rank, "target_modules": modules})
+    return native.op("add_adapter_to_model", adapter_name=name, config=config)
+
+
+# (limit, client family, the request at the limit): it must be accepted (a future it answers must succeed)
+UNDER: list[tuple[str, str, Send]] = [
+    ("body size", "tinker protobuf", lambda w: w.a.done(w.a.fb(lambda m, s: rows_body(m, s, [[5] * 1001] * 2)))),
+    ("datums per request", "tinker protobuf", lambda w: w.a.done(w.a.fb(lambda m, s: rows_body(m, s, [[5, 6]] * 4)))),
+    ("datums per request", "native", lambda w: w.native_op("forward_backward", inputs=rows(n=DATUMS))),
+    ("tokens per datum", "tinker protobuf", lambda w: w.a.done(w.a.fb(lambda m, s: rows_body(m, s,
+                                                                                           [[5] * (w.ctx + 1)])))),
+    ("tokens per datum", "tinker sample", lambda w: w.a.done(w.a.sample([5] * (w.ctx - 1)))),
+    ("vocabulary", "tinker protobuf", lambda w: w.a.done(w.a.fb(lambda m, s: _fb_body(m, s, [0, w.vocab - 1],
+                                                                                      [w.vocab - 1, 0], [1, 1])))),
+    ("vocabulary", "native sample", lambda w: w.native_sample([{"input_ids": [0, w.vocab - 1]}])),
+    ("max_tokens", "tinker sample", lambda w: w.a.done(w.a.sample([5] * (w.ctx - 4), max_tokens=w.ctx))),
+    ("max_tokens", "native sample", lambda w: w.native_sample([{"input_ids": [5] * (w.ctx - 4)}], max_tokens=w.ctx)),
+    ("max_tokens", "openai", lambda w: w.chat(max_tokens=w.ctx, messages=[{"role": "user", "content": "q x " * 150}],
+                                              stop=[" ", "\n", "a", "e", "o"])),
+    ("num_samples", "tinker sample", lambda w: w.a.done(w.a.sample([5, 6], num_samples=128))),
+    ("num_samples", "native sample", lambda w: w.native_sample([{"input_ids": [5, 6]}], num_samples=128)),
+    ("num_samples", "openai", lambda w: w.chat(n=16)),
+    ("lora rank", "tinker", lambda w: w.a.done(w.a.create_model(w.a.session, 1, rank=RANK))),
+    ("lora rank, target modules, adapter name", "native", lambda w: _native_adapter(w.native, "x" * 64, RANK, ["q_proj"])),
+    ("checkpoint name, ttl", "tinker", lambda w: w.a.done(w.a.post("save_weights", json={
+        "model_id": w.a.model, "seq_id": w.a.take_seq(), "path": "n" * 128, "ttl_seconds": 3600}))),
+    ("ttl", "rest", lambda w: w.a.http.put(f"/api/v1/training_runs/{w.a.model}/checkpoints/weights/{'n' * 128}/ttl",
+                                           json={"ttl_seconds": 10 * 365 * 24 * 3600})),
+    ("metadata", "tinker", lambda w: w.a.post("create_session", json={"tags": ["t" * 128] * 64, "user_metadata": {
+        **{f"k{i}": "v" for i in range(62)}, "k" * 128: "v", "long": "v" * 1024}})),
+]
+
+
+@pytest.mark.parametrize("limit, family, send", UNDER, ids=[f"{c[0]}-{c[1]}" for c in UNDER])
+def test_at_the_limit_is_accepted(w: World, limit: str, family: str, send: Send) -> None:
+    r = send(w)
+    assert r.status_code in (200, 204), (r.status_code, r.text[:500])
+
+
+def test_live_sessions_models_and_sampling_sessions_per_tenant(w: World) -> None:
+    c = Tenant(w.srv, w.srv.keys["c"])  # type: ignore[attr-defined]
+    sessions = [c.new_session() for _ in range(SESSIONS - 1)]
+    native = Native(w.srv, c.key)  # the cap-th live session, through the native route
+    before = w.jobs()
+    for r in (c.post("create_session", json={}), native.http.post("/twinkle/create_session", json={})):
+        assert r.status_code == 429 and "max_sessions_per_tenant" in r.text and f"limit is {SESSIONS}" in r.text
+    c.ok(f"sessions/{sessions.pop()}/finish", json={})  # only live sessions count
+    sessions.append(c.new_session())
+    assert c.post("create_session", json={}).status_code == 429
+
+    models = [c.create_model(sessions[0], i) for i in range(MODELS - 1)]
+    assert native.ok("add_adapter_to_model", adapter_name="default", config=LORA)  # the cap-th model
+    saved = c.done(c.post("save_weights", json={"model_id": models[0].json()["model_id"], "seq_id": 1, "path": "s"}))
+    refused = [c.create_model(sessions[0], 99),
+               _native_adapter(native, "second", 2, ["q_proj"]),
+               c.post("load_weights", json={"path": saved.json()["path"], "session_id": sessions[0],
+                                            "model_seq_id": 98})]
+    for r in refused:
+        assert r.status_code == 429 and "max_models_per_tenant" in r.text and f"limit is {MODELS}" in r.text, r.text
+    assert c.post("get_info", json={"model_id": f"{sessions[0]}:train:99"}).status_code == 404  # nothing was made
+
+    for i in range(SAMPLERS):
+        c.ok("create_sampling_session", json={"session_id": sessions[1], "sampling_session_seq_id": i,
+                                              "base_model": w.srv.base_model})
+    r = c.post("create_sampling_session", json={"session_id": sessions[1], "sampling_session_seq_id": 50,
+                                                "base_model": w.srv.base_model})
+    assert r.status_code == 429 and "max_sampling_sessions_per_tenant" in r.text, r.text
+    assert c.http.get(f"/api/v1/samplers/{sessions[1]}:sample:50").status_code == 404  # nothing was made
+    w.settle()
+    done = w.jobs() - before  # the creates that were accepted, the save, the probe; nothing of the refused ones
+    assert done == Counter({"create_model": MODELS, "save_weights": 1, "forward_backward": 1, "sample": 1}), done
+    c.ok(f"sessions/{sessions[0]}/finish", json={})  # its models end with it: room again
+    assert c.create_model(sessions[2], 0).status_code == 200
+
+
+def test_bad_input_does_not_harm_another_tenants_work_in_flight(w: World) -> None:
+    """B's forward (queued, not yet collected) while A sends one of every refused input: B's result is what a twin
+    model of the same seed computes alone."""
+    data = [types.Datum(model_input=types.ModelInput.from_ints([5, 17, 42, 99, 7]),
+                        loss_fn_inputs={"target_tokens": [17, 42, 99, 7, 23], "weights": [1.0] * 5})] * 3
+    with tinker.ServiceClient(base_url=w.srv.base_url, api_key=w.srv.keys["b"]) as sc:  # type: ignore[attr-defined]
+        tc = sc.create_lora_training_client(base_model=w.srv.base_model, rank=2, seed=7).result()
+        fut = tc.forward(data, "cross_entropy")
+        for _, _, send, status, _ in OVER:
+            if status != 413:  # the body-size cases are refused before a byte is read: nothing to race with
+                assert send(w).status_code == status
+        loss = fut.result().metrics["loss:sum"]
+        twin = sc.create_lora_training_client(base_model=w.srv.base_model, rank=2, seed=7).result()
+        assert twin.forward(data, "cross_entropy").result().metrics["loss:sum"] == pytest.approx(loss, rel=1e-6)
+        assert np.isfinite(loss)
