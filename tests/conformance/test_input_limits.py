@@ -25,6 +25,7 @@ from tinker import types
 from tinker.proto import tinker_public_pb2 as pb
 
 from tests.conformance.isolation_world import ADAM
+from tests.conformance.openapi_check import Contract
 from tests.conformance.test_quotas import _fb_body as rows_body
 from tests.conformance.test_security import _fb_body, _result
 from tests.support.native_http import LORA, Native, rows
@@ -152,6 +153,7 @@ class World:
     a: Tenant
     probe: Tenant
     native: Native
+    contract: Contract
 
     def native_op(self, op: str, **body: Any) -> httpx.Response:
         return self.native.http.post(f"/model/{self.srv.base_model}/twinkle/{op}", content=json.dumps(
@@ -185,7 +187,7 @@ def w(srv: ServerProcess, server_model_dir: Path) -> World:
     a = Tenant(srv, keys["a"]).setup()
     a.done(a.post("save_weights", json={"model_id": a.model, "seq_id": a.take_seq(), "path": "kept"}))
     return World(srv, config["vocab_size"], config["max_position_embeddings"], a, Tenant(srv, keys["probe"]).setup(),
-                 native)
+                 native, Contract(httpx.get(f"{srv.base_url}/openapi.json", timeout=30).json()))
 
 
 Send = Callable[[World], httpx.Response]
@@ -297,6 +299,7 @@ def test_over_the_limit_is_refused_and_queues_nothing(w: World, limit: str, fami
     assert r.status_code == status, (r.status_code, r.text[:500])
     body = r.json()
     assert body["category"] == "user" and isinstance(body["detail"], str)
+    w.contract.check(r)  # the status is one the OpenAPI document declares for the route, with its body schema
     for word in words:
         assert word in r.text, (word, body)
     if "save_weights" in str(r.request.url) or "optim_step" in str(r.request.url):
@@ -352,6 +355,7 @@ def test_live_sessions_models_and_sampling_sessions_per_tenant(w: World) -> None
     before = w.jobs()
     for r in (c.post("create_session", json={}), native.http.post("/twinkle/create_session", json={})):
         assert r.status_code == 429 and "max_sessions_per_tenant" in r.text and f"limit is {SESSIONS}" in r.text
+        w.contract.check(r)
     c.ok(f"sessions/{sessions.pop()}/finish", json={})  # only live sessions count
     sessions.append(c.new_session())
     assert c.post("create_session", json={}).status_code == 429
@@ -365,6 +369,7 @@ def test_live_sessions_models_and_sampling_sessions_per_tenant(w: World) -> None
                                             "model_seq_id": 98})]
     for r in refused:
         assert r.status_code == 429 and "max_models_per_tenant" in r.text and f"limit is {MODELS}" in r.text, r.text
+        w.contract.check(r)
     assert c.post("get_info", json={"model_id": f"{sessions[0]}:train:99"}).status_code == 404  # nothing was made
 
     for i in range(SAMPLERS):
@@ -373,6 +378,7 @@ def test_live_sessions_models_and_sampling_sessions_per_tenant(w: World) -> None
     r = c.post("create_sampling_session", json={"session_id": sessions[1], "sampling_session_seq_id": 50,
                                                 "base_model": w.srv.base_model})
     assert r.status_code == 429 and "max_sampling_sessions_per_tenant" in r.text, r.text
+    w.contract.check(r)
     assert c.http.get(f"/api/v1/samplers/{sessions[1]}:sample:50").status_code == 404  # nothing was made
     w.settle()
     done = w.jobs() - before  # the creates that were accepted, the save, the probe; nothing of the refused ones

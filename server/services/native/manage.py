@@ -48,11 +48,13 @@ def capabilities(ctx: Context) -> dict[str, Any]:
 
 
 async def capacity(ctx: Context, tenant_id: str) -> dict[str, int]:
-    """The caller's live adapters against its live-model quota (else the server's configured capacity)."""
+    """The caller's live adapters against its live-model quota (else the server's configured capacity), never more
+    than the hard cap of live models a tenant may hold (max_models_per_tenant)."""
     async with ctx.db.session() as s:
         used = await repo.count_live_models(s, tenant_id)
     limit = (await ctx.admission.limits.get(tenant_id)).max_models
     cap = limit if limit is not None else max(used, ctx.settings.native_capacity_adapters)
+    cap = min(cap, ctx.settings.max_models_per_tenant)
     return {"max_loras": cap, "used_loras": used, "free_loras": max(cap - used, 0)}
 
 
