@@ -244,6 +244,8 @@ OVER: list[tuple[str, str, Send, int, tuple[str, ...]]] = [
     ("non-finite", "openai", lambda w: w.chat(top_p=float("nan")), 422, ("top_p",)),
     ("non-finite", "native", lambda w: w.native_op("set_optimizer", optimizer_cls="AdamW", lr=float("nan")), 400,
      ("lr",)),
+    ("non-finite", "native loss", lambda w: w.native_op("set_loss", loss_cls="SimPOLoss", gamma=float("nan")), 400,
+     ("gamma", "finite")),
     ("max_tokens", "tinker sample", lambda w: w.a.sample([5, 6], max_tokens=w.ctx + 1), 400,
      ("max_tokens 1025", "context of 1024")),
     ("max_tokens", "native sample", lambda w: w.native_sample([{"input_ids": [5, 6]}], max_tokens=w.ctx + 1), 400,
