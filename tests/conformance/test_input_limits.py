@@ -271,6 +271,8 @@ OVER: list[tuple[str, str, Send, int, tuple[str, ...]]] = [
         "model_id": w.a.model, "seq_id": w.a.seq, "path": "n" * 129}), 400, ("checkpoint name", "nnnn")),
     ("checkpoint name", "rest", lambda w: w.a.post("save_weights_external", json={
         "model_id": w.a.model, "seq_id": w.a.seq, "path": "a b"}), 422, ("path", "pattern")),
+    ("project name", "rest", lambda w: w.a.http.put(f"/api/v1/sessions/{w.a.session}/project",
+                                                    json={"project_id": "p" * 129}), 422, ("128 characters",)),
     ("adapter name", "native", lambda w: w.native.op("add_adapter_to_model", adapter_name="x" * 65, config=LORA),
      400, ("adapter_name", "1-64")),
     ("metadata", "tinker", lambda w: w.a.post("create_session", json={
@@ -287,6 +289,8 @@ OVER: list[tuple[str, str, Send, int, tuple[str, ...]]] = [
     ("ttl", "tinker", lambda w: w.a.post("save_weights", json={
         "model_id": w.a.model, "seq_id": w.a.seq, "path": "ttl", "ttl_seconds": 3599}), 400,
      ("ttl_seconds", "3600")),
+    ("ttl", "rest copy", lambda w: w.a.post("copy_weights", json={
+        "source_path": f"tinker://{w.a.model}/weights/kept", "ttl_seconds": 3599}), 400, ("ttl_seconds", "3600")),
     ("ttl", "rest", lambda w: w.a.http.put(f"/api/v1/training_runs/{w.a.model}/checkpoints/weights/kept/ttl",
                                            json={"ttl_seconds": 10 * 365 * 24 * 3600 + 1}), 400,
      ("ttl_seconds", "315360000")),
