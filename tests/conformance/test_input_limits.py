@@ -10,10 +10,9 @@ moved by exactly those two. Each UNDER case sends the input at the limit and mus
 from __future__ import annotations
 
 import json
-import struct
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,18 +21,18 @@ import numpy as np
 import pytest
 import tinker
 from tinker import types
-from tinker.proto import tinker_public_pb2 as pb
 
 from tests.conformance.isolation_world import ADAM
+from tests.conformance.limits_support import Tenant, is_body, jdatum
 from tests.conformance.openapi_check import Contract
+from tests.conformance.test_native_datasets import meta
 from tests.conformance.test_quotas import _fb_body as rows_body
-from tests.conformance.test_security import _fb_body, _result
+from tests.conformance.test_security import _fb_body
 from tests.support.native_http import LORA, Native, rows
 from tests.support.prom import scrape
 from tests.support.server import ServerProcess
 
 BODY, DATUMS, RANK, SESSIONS, MODELS, SAMPLERS = 32768, 4, 8, 4, 6, 3
-PROTO = {"Content-Type": "application/x-protobuf"}
 
 
 @pytest.fixture(scope="module")
@@ -49,103 +48,6 @@ def srv(server_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
 
 
 @dataclass
-class Tenant:
-    """One tenant's raw-HTTP view: a session, a model whose seq_ids the test keeps, a sampling session."""
-
-    srv: ServerProcess
-    key: str
-    http: httpx.Client = field(init=False)
-    session: str = ""
-    model: str = ""
-    seq: int = 1
-    sampler: str = ""
-    sample_seq: int = 1
-
-    def __post_init__(self) -> None:
-        self.http = httpx.Client(base_url=self.srv.base_url, headers={"X-API-Key": self.key}, timeout=60)
-
-    def post(self, path: str, **kw: Any) -> httpx.Response:
-        if "json" in kw:  # NaN and Infinity as Python's json writes them (httpx refuses to)
-            kw["content"], kw["headers"] = json.dumps(kw.pop("json")), {"Content-Type": "application/json"}
-        return self.http.post(path if path.startswith("/") else f"/api/v1/{path}", **kw)
-
-    def ok(self, path: str, **kw: Any) -> Any:
-        r = self.post(path, **kw)
-        assert r.status_code == 200, (path, r.text)
-        return r.json()
-
-    def new_session(self) -> str:
-        return str(self.ok("create_session", json={"tags": []})["session_id"])
-
-    def create_model(self, session: str, seq: int, rank: int = 2) -> httpx.Response:
-        return self.post("create_model", json={"session_id": session, "model_seq_id": seq,
-                                               "base_model": self.srv.base_model, "lora_config": {"rank": rank}})
-
-    def setup(self) -> Tenant:
-        self.session = self.new_session()
-        fut = self.create_model(self.session, 0).json()
-        assert "model_id" in _result(self.srv, self.key, fut["request_id"]).json()
-        self.model = fut["model_id"]
-        self.sampler = self.ok("create_sampling_session", json={
-            "session_id": self.session, "sampling_session_seq_id": 0, "base_model": self.srv.base_model,
-        })["sampling_session_id"]
-        return self
-
-    def take_seq(self) -> int:
-        self.seq += 1
-        return self.seq - 1
-
-    def fb(self, body: Callable[[str, int], bytes]) -> httpx.Response:
-        """A protobuf forward_backward on the model at its next seq_id (a 400 from the service consumes it)."""
-        r = self.post("forward_backward", content=body(self.model, self.seq), headers=PROTO)
-        self.seq += r.status_code in (200, 400)
-        return r
-
-    def json_fb(self, datums: list[dict[str, Any]]) -> httpx.Response:
-        """0.16.1's JSON forward_backward body."""
-        body = {"model_id": self.model, "seq_id": self.seq,
-                "forward_backward_input": {"data": datums, "loss_fn": "cross_entropy"}}
-        r = self.post("forward_backward", content=json.dumps(body), headers={"Content-Type": "application/json"})
-        self.seq += r.status_code in (200, 400)
-        return r
-
-    def sample(self, tokens: list[int], num_samples: int = 1, **params: Any) -> httpx.Response:
-        self.sample_seq += 1
-        return self.post("asample", json={"sampling_session_id": self.sampler, "seq_id": self.sample_seq, "num_samples":
-                                          num_samples, "prompt": {"chunks": [{"type": "encoded_text",
-                                                                              "tokens": tokens}]},
-                                          "sampling_params": {"max_tokens": 1, **params}})
-
-    def done(self, r: httpx.Response) -> Any:
-        """An accepted request's future, retrieved: it must succeed."""
-        assert r.status_code == 200, r.text
-        out = _result(self.srv, self.key, r.json()["request_id"])
-        assert out.status_code == 200 and "error" not in (out.json() if out.headers["content-type"].startswith(
-            "application/json") else {}), out.text
-        return out
-
-
-def jdatum(tokens: list[int], weights: list[float] | None = None) -> dict[str, Any]:
-    n = len(tokens)
-    w = [1.0] * n if weights is None else weights
-    return {"model_input": {"chunks": [{"type": "encoded_text", "tokens": tokens}]}, "loss_fn_inputs": {
-        "target_tokens": {"data": tokens, "dtype": "int64", "shape": [n]},
-        "weights": {"data": w, "dtype": "float32", "shape": [n]}}}
-
-
-def is_body(model: str, seq: int, advantages: list[float]) -> bytes:
-    """An importance_sampling forward_backward of one datum with these advantages."""
-    n = len(advantages)
-    datum = pb.Datum(model_input=[pb.Chunk(encoded_text=pb.EncodedTextChunk(tokens=struct.pack(f"<{n}i", *[5] * n)))])
-    for name, arr, dt in (("target_tokens", np.full(n, 6, "<i8"), pb.DTYPE_INT64),
-                          ("logprobs", np.full(n, -1.0, "<f4"), pb.DTYPE_FLOAT32),
-                          ("advantages", np.asarray(advantages, "<f4"), pb.DTYPE_FLOAT32)):
-        datum.loss_fn_inputs[name].CopyFrom(pb.Tensor(dense=arr.tobytes(), dtype=dt, shape=[n]))
-    return pb.ForwardBackwardRequest(model_id=model, seq_id=seq, data=[datum],
-                                     loss_fn="importance_sampling").SerializeToString()
-
-
-@dataclass
 class World:
     srv: ServerProcess
     vocab: int
@@ -158,6 +60,12 @@ class World:
     def native_op(self, op: str, **body: Any) -> httpx.Response:
         return self.native.http.post(f"/model/{self.srv.base_model}/twinkle/{op}", content=json.dumps(
             {"adapter_name": "default", **body}), headers={"Content-Type": "application/json"})
+
+    def dataset(self) -> str:
+        """A server-held native dataset of one row."""
+        r = self.native.http.post("/processor/twinkle/create", json={
+            "processor_type": "dataset", "class_type": "Dataset", "dataset_meta": meta([{"query": "q"}])})
+        return str(r.json()["processor_id"])
 
     def native_sample(self, inputs: list[dict[str, Any]], **params: Any) -> httpx.Response:
         return self.native.http.post(f"/sampler/{self.srv.base_model}/twinkle/sample", json={
@@ -208,6 +116,9 @@ OVER: list[tuple[str, str, Send, int, tuple[str, ...]]] = [
      ("5 datums", f"limit is {DATUMS}")),
     ("datums per request", "native", lambda w: w.native_op("forward_backward", inputs=rows(n=5)), 400,
      ("5 rows", f"at most {DATUMS}")),
+    ("datums per request", "native dataloader", lambda w: w.native.http.post("/processor/twinkle/create", json={
+        "processor_type": "dataloader", "class_type": "DataLoader", "dataset": w.dataset(), "batch_size": DATUMS + 1}),
+     400, ("batch_size", f"at most {DATUMS}")),
     ("tokens per datum", "tinker protobuf", lambda w: w.a.fb(lambda m, s: rows_body(m, s, [[5] * (w.ctx + 2)])),
      400, (f"{1025} tokens", "context of 1024")),
     ("tokens per datum", "tinker json", lambda w: w.a.json_fb([jdatum([5] * (w.ctx + 1))]), 400,
@@ -338,7 +249,8 @@ UNDER: list[tuple[str, str, Send]] = [
     ("num_samples", "native sample", lambda w: w.native_sample([{"input_ids": [5, 6]}], num_samples=128)),
     ("num_samples", "openai", lambda w: w.chat(n=16)),
     ("lora rank", "tinker", lambda w: w.a.done(w.a.create_model(w.a.session, 1, rank=RANK))),
-    ("lora rank, target modules, adapter name", "native", lambda w: _native_adapter(w.native, "x" * 64, RANK, ["q_proj"])),
+    ("lora rank, target modules, adapter name", "native",
+     lambda w: _native_adapter(w.native, "x" * 64, RANK, ["q_proj"])),
     ("checkpoint name, ttl", "tinker", lambda w: w.a.done(w.a.post("save_weights", json={
         "model_id": w.a.model, "seq_id": w.a.take_seq(), "path": "n" * 128, "ttl_seconds": 3600}))),
     ("ttl", "rest", lambda w: w.a.http.put(f"/api/v1/training_runs/{w.a.model}/checkpoints/weights/{'n' * 128}/ttl",
