@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 import struct
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
