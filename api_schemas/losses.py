@@ -129,6 +129,8 @@ def _number(loss_fn: str, key: str, value: float | str) -> float:
     # bool is an int subclass; a True threshold is a client bug, not 1.0.
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise LossSpecError(f"{loss_fn}: loss_fn_config[{key!r}] must be a number, got {value!r}")
+    if math.isnan(value) or (math.isinf(value) and key != "clip_high_threshold"):  # +inf there: no upper clip
+        raise LossSpecError(f"{loss_fn}: loss_fn_config[{key!r}] must be a finite number, got {value!r}")
     return float(value)
 
 

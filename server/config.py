@@ -53,6 +53,12 @@ class Settings(BaseSettings):
     max_request_bytes: int = Field(64 * 1024 * 1024, gt=0)  # largest request body
     max_datums_per_request: int = Field(4096, gt=0)  # datums in one forward(_backward)
     max_lora_rank: int = Field(128, gt=0)  # largest LoRA rank accepted
+    # what one tenant holds at once (server/services/tenant_caps.py): live sessions (not finished, heartbeat within
+    # session_timeout_seconds), training runs in them (Tinker models and native adapters) and sampling sessions
+    # made by create_sampling_session in them. One more is refused with a 429 naming the setting.
+    max_sessions_per_tenant: int = Field(1000, gt=0)
+    max_models_per_tenant: int = Field(1000, gt=0)  # see max_sessions_per_tenant
+    max_sampling_sessions_per_tenant: int = Field(10_000, gt=0)  # see max_sessions_per_tenant
     # capacity_info's max_loras (native protocol) for a tenant without a live-model quota: the adapters one base
     # model is sized to carry (idle ones page to host memory and disk)
     native_capacity_adapters: int = Field(1000, gt=0)

@@ -49,3 +49,9 @@ class TooManyRequests(DomainError):
     def __init__(self, message: str, retry_after: float) -> None:
         super().__init__(message)
         self.headers = {"Retry-After": str(max(1, math.ceil(retry_after)))}
+
+
+class OverLimit(DomainError):
+    """The tenant holds as many of something as it may (sessions, models, server-held data, ...)."""
+
+    status, category = 429, "user"

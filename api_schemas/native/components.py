@@ -24,7 +24,7 @@ class ComponentError(ValueError):
 
 
 class Component(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # NaN / Inf: refused by name
 
 
 # --- losses (twinkle.loss): each maps onto an engine loss; the formulas are the engine's (api_schemas/losses.py)

@@ -6,13 +6,33 @@ Requests are tolerant (unknown fields ignored: a newer client may add some); res
 
 from __future__ import annotations
 
+import json
 import math
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"  # checkpoint names: no "/", no "..", no spaces
 SQL_INT_LIMIT = 2**31  # the seq ids a model or sampling session is created with are SQL INTEGERs (32 bits in Postgres)
+# user_metadata of a session, model or checkpoint: entries, a key's characters, a value's (a string's own, else JSON)
+MAX_METADATA_ITEMS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 64, 128, 1024
+
+
+def _bounded(v: dict[str, Any] | None) -> dict[str, Any] | None:
+    if v is None:
+        return v
+    if len(v) > MAX_METADATA_ITEMS:
+        raise ValueError(f"user_metadata holds {len(v)} entries; the limit is {MAX_METADATA_ITEMS}")
+    for k, value in v.items():
+        if len(k) > MAX_METADATA_KEY:
+            raise ValueError(f"user_metadata key of {len(k)} characters; the limit is {MAX_METADATA_KEY}")
+        if len(value if isinstance(value, str) else json.dumps(value)) > MAX_METADATA_VALUE:
+            raise ValueError(f"user_metadata[{k[:32]!r}] is longer than {MAX_METADATA_VALUE} characters")
+    return v
+
+
+Metadata = Annotated[dict[str, Any] | None, AfterValidator(_bounded)]
+TextMetadata = Annotated[dict[str, str] | None, AfterValidator(_bounded)]
 
 
 class Request(BaseModel):
@@ -25,8 +45,8 @@ class Response(BaseModel):
 
 # --- bootstrap and sessions ---
 class CreateSessionRequest(Request):
-    tags: list[str] = Field(default_factory=list, max_length=64)
-    user_metadata: dict[str, Any] | None = Field(default_factory=dict)  # older SDKs send null
+    tags: list[Annotated[str, Field(max_length=128)]] = Field(default_factory=list, max_length=64)
+    user_metadata: Metadata = Field(default_factory=dict)  # older SDKs send null
     sdk_version: str | None = None
     project_id: str | None = Field(None, max_length=128)
     display_name: str | None = Field(None, max_length=256)
@@ -67,7 +87,7 @@ class CreateModelRequest(Request):
     session_id: str
     model_seq_id: int = Field(ge=0, lt=SQL_INT_LIMIT)
     base_model: str
-    user_metadata: dict[str, Any] | None = None
+    user_metadata: Metadata = None
     lora_config: LoraConfig | None = Field(default_factory=LoraConfig)  # null: full-parameter (refused with a 400)
     optimizer_config: OptimizerConfig = Field(default_factory=OptimizerConfig)
 
@@ -133,7 +153,7 @@ class SaveWeightsRequest(Request):
     path: str = Field(max_length=256)  # the checkpoint name; checked against NAME_PATTERN by the service
     ttl_seconds: int | None = None
     overwrite: bool = False
-    user_metadata: dict[str, str] | None = None
+    user_metadata: TextMetadata = None
 
 
 class SaveWeightsForSamplerRequest(Request):
@@ -143,7 +163,7 @@ class SaveWeightsForSamplerRequest(Request):
     sampling_session_seq_id: int | None = Field(None, ge=0, lt=SQL_INT_LIMIT)
     kind: str = "snapshot"
     ttl_seconds: int | None = None
-    user_metadata: dict[str, str] | None = None
+    user_metadata: TextMetadata = None
 
 
 class LoadWeightsRequest(Request):
@@ -153,7 +173,7 @@ class LoadWeightsRequest(Request):
     session_id: str | None = None
     model_seq_id: int | None = Field(None, ge=0, lt=SQL_INT_LIMIT)
     base_model: str | None = None
-    user_metadata: dict[str, Any] | None = None
+    user_metadata: Metadata = None
     # legacy model-addressed form
     model_id: str | None = None
     seq_id: int | None = Field(None, ge=0)

@@ -53,6 +53,10 @@ _MODEL = r"/api/v1/model/\{model\}/twinkle/"
 _STORAGE = (403, 503)  # a save or copy past the tenant's storage quota; checkpoint storage not configured
 # path regex -> statuses some routes add to the rule-based ones (first match wins, so put specific ones first).
 EXTRA: list[tuple[str, tuple[int, ...]]] = [
+    # 429: a tenant's cap of live sessions, models or sampling sessions (server/services/tenant_caps.py)
+    (r"/api/v1/(twinkle/)?create_session$", (429,)),
+    (r"/api/v1/(create_model|load_weights|create_sampling_session)$", (410, 429)),
+    (_MODEL + r"add_adapter_to_model$", (429, 500)),
     # 410: a released model, or a session that has finished
     (r"/api/v1/(forward_backward|forward|optim_step|load_weights|get_info|create_sampling_session|create_model|"
      r"create_custom_loss)$", (410,)),

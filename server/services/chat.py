@@ -84,7 +84,9 @@ async def prepare(ctx: Context, tenant_id: str, req: ChatCompletionRequest) -> P
     room = served.max_context - len(prompt)
     if room < 1:
         raise BadRequest(f"the messages take {len(prompt)} tokens; the model's context is {served.max_context}")
-    limit = min(req.token_limit or ctx.settings.sample_default_max_tokens, room)
+    if (req.token_limit or 0) > served.max_context:
+        raise BadRequest(f"max_tokens {req.token_limit} exceeds the model's context of {served.max_context}")
+    limit = min(req.token_limit or ctx.settings.sample_default_max_tokens, room)  # a sequence ends when it is full
     if req.stream and req.n != 1:
         raise BadRequest("streaming serves n=1 only")
     return Prepared(served, weights, tok, prompt, limit)

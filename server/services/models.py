@@ -21,6 +21,7 @@ from server.errors import BadRequest, Gone, NotFound
 from server.services import full_param, jobs
 from server.services.context import Context
 from server.services.sessions import live_session
+from server.services.tenant_caps import check_room
 
 SUPPORTED_OPTIMIZERS = ("adamw",)
 
@@ -64,7 +65,8 @@ async def create_model(ctx: Context, tenant_id: str, req: CreateModelRequest) ->
     if lora is None:  # twinkle-kit's create_full_training_client: a full-parameter run, on a lease
         full_param.require_offered(ctx.settings, served.name)
     elif lora.rank > ctx.settings.max_lora_rank:
-        raise BadRequest(f"lora rank {lora.rank} exceeds this server's maximum {ctx.settings.max_lora_rank}")
+        raise BadRequest(f"lora rank {lora.rank} exceeds this server's maximum {ctx.settings.max_lora_rank} "
+                         "(max_lora_rank)")
     if lora is not None and not (lora.train_attn or lora.train_mlp or lora.train_unembed):
         raise BadRequest("at least one of train_attn, train_mlp, train_unembed must be true")
     if req.optimizer_config.type not in SUPPORTED_OPTIMIZERS:
@@ -74,10 +76,12 @@ async def create_model(ctx: Context, tenant_id: str, req: CreateModelRequest) ->
     model_id = model_id_for(req.session_id, req.model_seq_id)
     async with ctx.db.session() as s:
         existing = await repo.model_by_id(s, model_id)
-        if existing is not None:  # a retry of the same create: hand back the same future
-            if existing.tenant_id != tenant_id:
-                raise NotFound(f"session {req.session_id} not found")
-            return UntypedFuture(request_id=existing.create_request_id, model_id=model_id)
+    if existing is not None:  # a retry of the same create: hand back the same future
+        if existing.tenant_id != tenant_id:
+            raise NotFound(f"session {req.session_id} not found")
+        return UntypedFuture(request_id=existing.create_request_id, model_id=model_id)
+    await check_room(ctx, tenant_id, "models")
+    async with ctx.db.session() as s:
         row = ModelRow(
             id=model_id, tenant_id=tenant_id, session_id=req.session_id, model_seq_id=req.model_seq_id,
             # "None means random" (SDK docs): draw it here and keep it, so a rebuild gives the same init

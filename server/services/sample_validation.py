@@ -27,6 +27,8 @@ def sample_params(p: SamplingParams, served: ServedModel, settings: Settings) ->
     max_tokens = settings.sample_default_max_tokens if p.max_tokens is None else p.max_tokens
     if max_tokens < 1:
         raise BadRequest("max_tokens must be at least 1")
+    if max_tokens > served.max_context:
+        raise BadRequest(f"max_tokens {max_tokens} exceeds the model's context of {served.max_context}")
     if p.temperature < 0:
         raise BadRequest("temperature must be >= 0 (0 is greedy)")
     if not 0 < p.top_p <= 1:

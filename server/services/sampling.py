@@ -29,6 +29,7 @@ from server.services import jobs
 from server.services.context import Context
 from server.services.sample_validation import sample_payload
 from server.services.sessions import live_session
+from server.services.tenant_caps import check_room
 
 # Ephemeral weights kept per training run while its session lives: an RL loop saves every step, and a sampler a few
 # steps stale (async RL) must keep working; older ones are reclaimed (their clients then get 404).
@@ -93,6 +94,7 @@ async def create_sampling_session(ctx: Context, tenant_id: str, req: CreateSampl
     else:
         raise BadRequest("create_sampling_session needs a model_path or a base_model")
     served = ctx.served(base_model)
+    await check_room(ctx, tenant_id, "sampling_sessions")
     row = SamplingSessionRow(
         id=sid, tenant_id=tenant_id, session_id=req.session_id, seq_id=req.sampling_session_seq_id,
         base_model=served.name, model_path=req.model_path, storage_key=weights.storage_key if weights else None,

@@ -15,9 +15,11 @@ from server.db.models import SessionRow, utcnow
 from server.errors import Gone, NotFound
 from server.services.context import Context
 from server.services.release import release_ended_models
+from server.services.tenant_caps import check_room
 
 
 async def create_session(ctx: Context, tenant_id: str, req: CreateSessionRequest) -> str:
+    await check_room(ctx, tenant_id, "sessions")
     row = SessionRow(
         id=str(uuid.uuid4()),
         tenant_id=tenant_id,

@@ -37,6 +37,7 @@ from server.services.context import Context
 from server.services.jobs import queue_op
 from server.services.models import model_id_for, owned_model
 from server.services.sessions import live_session
+from server.services.tenant_caps import check_room
 from server.services.validation import check_forward_backward
 
 
@@ -218,6 +219,7 @@ async def _create_via_load(ctx: Context, tenant_id: str, req: LoadWeightsRequest
             raise BadRequest(f"model slot {model_id} is taken")
         return UntypedFuture(request_id=existing.create_request_id, model_id=model_id)
     source = await ckpt.readable(ctx, tenant_id, req.path)
+    await check_room(ctx, tenant_id, "models")
     payload = _load_payload(source, req.optimizer, create=True)
     async with ctx.db.session() as s:
         origin = await repo.model_by_id(s, source.model_id)

@@ -30,6 +30,7 @@ from server.services import jobs
 from server.services.context import Context
 from server.services.models import model_id_for, owned_model
 from server.services.sessions import live_session
+from server.services.tenant_caps import check_room
 
 ADAPTER_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 MAX_WAIT_SECONDS = 590.0  # the client gives every request 600 s
@@ -133,6 +134,7 @@ async def create(ctx: Context, tenant_id: str, session: SessionRow, base_model: 
     """A new adapter of `session` (its model created on the worker before this returns); `lora` None: a
     full-parameter run (held while the model's lease is taken: this waits for it, server/services/full_param.py)."""
     served = ctx.served(base_model)
+    await check_room(ctx, tenant_id, "models")
     async with ctx.db.session() as s:
         if await repo.native_adapter(s, tenant_id, session.id, name) is not None:
             raise BadRequest(f"adapter {name!r} already exists in this session; use another adapter_name")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from api_schemas.tinker.types import CreateSessionRequest
+from api_schemas.tinker.types import MAX_METADATA_ITEMS, MAX_METADATA_KEY, MAX_METADATA_VALUE, CreateSessionRequest
 from server.db import repositories as repo
 from server.db.models import SQL_INT_MAX
 from server.errors import BadRequest, Gone, NotFound
@@ -20,7 +20,6 @@ from server.services import runs, sessions
 from server.services.context import Context
 
 NATIVE_SDK = "twinkle_client"
-MAX_METADATA_ITEMS = 64
 
 
 async def create_session(ctx: Context, tenant_id: str, metadata: object) -> str:
@@ -29,7 +28,7 @@ async def create_session(ctx: Context, tenant_id: str, metadata: object) -> str:
     items = list((metadata or {}).items())
     if len(items) > MAX_METADATA_ITEMS:
         raise BadRequest(f"metadata holds at most {MAX_METADATA_ITEMS} entries")
-    user_metadata = {str(k)[:128]: str(v)[:1024] for k, v in items}
+    user_metadata = {str(k)[:MAX_METADATA_KEY]: str(v)[:MAX_METADATA_VALUE] for k, v in items}
     req = CreateSessionRequest(tags=["twinkle-native"], user_metadata=user_metadata, sdk_version=NATIVE_SDK)
     return await sessions.create_session(ctx, tenant_id, req)
 
@@ -49,11 +48,13 @@ def capabilities(ctx: Context) -> dict[str, Any]:
 
 
 async def capacity(ctx: Context, tenant_id: str) -> dict[str, int]:
-    """The caller's live adapters against its live-model quota (else the server's configured capacity)."""
+    """The caller's live adapters against its live-model quota (else the server's configured capacity), never more
+    than the hard cap of live models a tenant may hold (max_models_per_tenant)."""
     async with ctx.db.session() as s:
         used = await repo.count_live_models(s, tenant_id)
     limit = (await ctx.admission.limits.get(tenant_id)).max_models
     cap = limit if limit is not None else max(used, ctx.settings.native_capacity_adapters)
+    cap = min(cap, ctx.settings.max_models_per_tenant)
     return {"max_loras": cap, "used_loras": used, "free_loras": max(cap - used, 0)}
 
 

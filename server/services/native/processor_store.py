@@ -26,7 +26,7 @@ from typing import Any
 from api_schemas.native.datasets import DataLoaderArgs, ProcessorKind
 from server.db import repositories as repo
 from server.db.models import utcnow
-from server.errors import BadRequest, DomainError, NotFound
+from server.errors import BadRequest, NotFound, OverLimit
 from server.services.context import Context
 from server.services.native.encoding import TemplateOptions
 
@@ -35,10 +35,8 @@ SWEEP_SECONDS = 30.0
 _STORE_KEY = "_native_processor_store"
 
 
-class ProcessorLimit(DomainError):
+class ProcessorLimit(OverLimit):
     """A tenant's server-held data would pass one of its limits (objects, rows, bytes)."""
-
-    status, category = 429, "user"
 
 
 # --- what is held
