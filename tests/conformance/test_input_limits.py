@@ -124,7 +124,7 @@ OVER: list[tuple[str, str, Send, int, tuple[str, ...]]] = [
     ("tokens per datum", "tinker json", lambda w: w.a.json_fb([jdatum([5] * (w.ctx + 1))]), 400,
      ("1025 tokens", "context of 1024")),
     ("tokens per datum", "native", lambda w: w.native_op("forward_backward", inputs=[
-        {"input_ids": [5] * (w.ctx + 1), "labels": [6] * (w.ctx + 1)}]), 400, ("1025 tokens", "1 to 1024")),
+        {"input_ids": [5] * (w.ctx + 1), "labels": [6] * (w.ctx + 1)}]), 400, ("1025 tokens", "at most 1024")),
     ("tokens per datum", "tinker sample", lambda w: w.a.sample([5] * w.ctx), 400, ("1024 tokens", "context is 1024")),
     ("tokens per datum", "native sample", lambda w: w.native_sample([{"input_ids": [5] * w.ctx}]), 400,
      ("1024 tokens", "context (1024)")),
