@@ -23,6 +23,8 @@ from deploy.specs import (
 from jobqueue.redis_queue import RedisQueue
 from jobqueue.resident_limits import publish_resident_limits as publish
 from server.app import Background, create_app
+from server.auth.keys import RedisGeneration, SharedAuth
+from server.auth.rate_limits import RequestLimiter
 from server.config import Settings
 from server.db.database import Database
 from server.services.tenant_limits import TenantLimits, resident_adapter_limits
@@ -42,6 +44,13 @@ def redis_queue(settings: Settings) -> RedisQueue:
         lease_ttl=settings.worker_lease_seconds,
         reclaim_idle=settings.reclaim_idle_seconds,
     )
+
+
+def shared_auth(queue: RedisQueue) -> SharedAuth:
+    """The key generation and request buckets in the queue's Redis, so that every gateway sees a key change at once
+    and a tenant's request rate is counted once across them (server/auth/keys.py, server/auth/rate_limits.py)."""
+    return SharedAuth(RedisGeneration(queue.client, queue.keys.auth_generation),
+                      RequestLimiter(queue.client, queue.keys.request_bucket))
 
 
 def build_gateway_app(settings: Settings) -> FastAPI:
@@ -64,7 +73,7 @@ def build_gateway_app(settings: Settings) -> FastAPI:
     # hub uploads run on the gateway's own threads; they read the checkpoints from the shared storage
     pusher = hub_pusher(storage_from_settings(settings), settings.hub_push_concurrency)
     return create_app(settings, queue, served, background=background, pusher=pusher, limits=limits,
-                      unavailable=failed if settings.gateway_runs_worker else None)
+                      unavailable=failed if settings.gateway_runs_worker else None, shared=shared_auth(queue))
 
 
 def _registered(queue: RedisQueue, model: ServedModel, run: Callable[[], Awaitable[None]]) -> Background:

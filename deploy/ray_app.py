@@ -163,7 +163,7 @@ def build_ray_gateway_app(settings: Settings) -> FastAPI:
     """The gateway of the Ray wiring: Redis queue, served models from the registry, hub pushes to the pusher, and
     the tenants' resident-adapter quotas published for the trainer replicas."""
     from api_schemas.models import ServedModel
-    from deploy.cluster import follow_registry, publish_resident_limits, redis_queue
+    from deploy.cluster import follow_registry, publish_resident_limits, redis_queue, shared_auth
     from jobqueue.hub_push_queue import RedisHubPusher
     from server.app import create_app
     from server.services.secrets import load_secret
@@ -172,7 +172,7 @@ def build_ray_gateway_app(settings: Settings) -> FastAPI:
     served: dict[str, ServedModel] = {}
     pusher = RedisHubPusher(queue.client, queue.keys, load_secret(settings))
     background = [lambda: follow_registry(queue, served), lambda: publish_resident_limits(settings, queue)]
-    return create_app(settings, queue, served, background=background, pusher=pusher)
+    return create_app(settings, queue, served, background=background, pusher=pusher, shared=shared_auth(queue))
 
 
 def serve_ray(settings: Settings, config: RayAppConfig, address: str | None, deploy_app: bool = True) -> int:

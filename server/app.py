@@ -31,7 +31,7 @@ from server.api.native import processor as native_processor
 from server.api.native import sampler as native_sampler
 from server.api.native import usage as native_usage
 from server.api.tinker import checkpoints, custom_losses, downloads, runs
-from server.auth.keys import Generation, KeyCache, RedisGeneration, SqlGeneration
+from server.auth.keys import Generation, KeyCache, SharedAuth, SqlGeneration
 from server.auth.rate_limits import RequestLimiter
 from server.config import Settings
 from server.db.database import Database
@@ -56,11 +56,14 @@ def create_app(
     pusher: HubPusher | None = None,
     limits: TenantLimits | None = None,
     unavailable: dict[str, str] | None = None,
+    shared: SharedAuth | None = None,
 ) -> FastAPI:
     """`background` are long-running coroutines started with the app (the in-process workers in embedded mode);
     `pusher` uploads checkpoints to a model hub (workers/checkpoints/hub.py, wired by deploy/); `limits` are the
     tenants' quotas (shared with an in-process engine, which reads their adapters-in-memory limit);
-    `unavailable`: the base models that failed to load and were left out ({name: why}, reported by /readyz)."""
+    `unavailable`: the base models that failed to load and were left out ({name: why}, reported by /readyz);
+    `shared`: the key generation and request buckets every gateway of a cluster shares (in Redis: deploy/cluster.py),
+    None: this process's own (embedded mode)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -91,7 +94,7 @@ def create_app(
             await db.close()
 
     app = FastAPI(title="Twinkle server", version="0.1.0", lifespan=lifespan, **_telemetry(settings))
-    app.state.key_cache, app.state.rate_limiter = _key_cache(settings, queue)
+    app.state.key_cache, app.state.rate_limiter = _key_cache(settings, shared)
     # Routes are matched in order: the per-step ones (training, futures) first; no two of these paths overlap.
     for module in (training, futures, sampling, sessions, models, bootstrap):
         app.include_router(module.router, prefix="/api/v1", tags=["tinker"])
@@ -135,16 +138,11 @@ def create_app(
     return app
 
 
-def _key_cache(settings: Settings, queue: GatewayQueue) -> tuple[KeyCache, RequestLimiter]:
-    """The API key cache and the request limiter: watching (and shared through) Redis in cluster mode,
-    in-process otherwise (server/auth/keys.py, server/auth/rate_limits.py)."""
-    from jobqueue.redis_queue import RedisQueue
-
-    generation: Generation = SqlGeneration(settings.auth_check_seconds)
-    limiter = RequestLimiter()
-    if isinstance(queue, RedisQueue):
-        generation = RedisGeneration(queue.client, queue.keys.auth_generation)
-        limiter = RequestLimiter(queue.client, queue.keys.request_bucket)
+def _key_cache(settings: Settings, shared: SharedAuth | None) -> tuple[KeyCache, RequestLimiter]:
+    """The API key cache and the request limiter (server/auth/keys.py, server/auth/rate_limits.py): checked against
+    the cluster's shared generation and buckets, or against SQL and in-process buckets without them."""
+    generation: Generation = shared.generation if shared else SqlGeneration(settings.auth_check_seconds)
+    limiter = shared.limiter if shared else RequestLimiter()
     return KeyCache(settings.auth_cache_seconds, generation, KeyUse(settings.audit_key_use_seconds)), limiter
 
 

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from server.auth.rate_limits import RequestLimiter
 from server.db import repositories as repo
 from server.db.usage_repo import aware
 from server.services.audit import KeyUse
@@ -53,6 +54,15 @@ class Caller:
 
 class Generation(Protocol):
     async def current(self, s_factory: SessionFactory) -> object: ...
+
+
+@dataclass(frozen=True)
+class SharedAuth:
+    """What every gateway of a cluster shares: the key generation and the per-tenant request buckets (both in the
+    queue's Redis; deploy/cluster.py builds it)."""
+
+    generation: Generation
+    limiter: RequestLimiter
 
 
 class RedisGeneration:

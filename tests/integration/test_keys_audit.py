@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from deploy.cluster import redis_queue
-from server.app import create_app
+from deploy.cluster import build_gateway_app
 from server.auth.keys import announce_key_change
 from server.config import Settings
 from server.services import audit, tenant_limits, tenants
@@ -29,7 +28,7 @@ def gateways(redis_url: str, prefix: str, tmp_path: Path) -> Iterator[tuple[Test
     with fresh_database(prefix) as url:
         settings = Settings(data_dir=tmp_path, database_url=url.replace("postgresql://", "postgresql+asyncpg://"),
                             redis_url=redis_url, redis_prefix=prefix, auth_cache_seconds=3600)
-        apps = [create_app(settings, redis_queue(settings), {}) for _ in range(2)]
+        apps = [build_gateway_app(settings) for _ in range(2)]  # the cluster gateway as `serve` builds it
         with TestClient(apps[0]) as one, TestClient(apps[1]) as two:
             yield one, two, settings
 
