@@ -30,6 +30,13 @@ _MUST_BE: dict[str, tuple[object, ...]] = {
     "target_parameters": (None, [], ()),
     "trainable_token_indices": (None,),
     "fan_in_fan_out": (False, None),
+    # peft's default init (kaiming-uniform A, zero B: a new adapter computes exactly the base model) is the one the
+    # engine makes; PiSSA / OLoRA / LoftQ / EVA / CorDA and random inits would change the base weights or the output
+    "init_lora_weights": (True, None),
+    "lora_bias": (False, None),
+    "use_qalora": (False, None),
+    "layer_replication": (None,),
+    "alora_invocation_tokens": (None,),
 }
 
 

@@ -109,7 +109,9 @@ def test_lora_config_limits(a: Native) -> None:
     a.ok("create")
     for config, word in ((json.dumps({"r": 100000}), "r must be"), (json.dumps({"use_dora": True}), "use_dora"),
                          (json.dumps({"target_modules": ["embed_tokens"]}), "target_modules"),
-                         (json.dumps({"lora_dropout": 0.95}), "lora_dropout"), (None, "full-parameter")):
+                         (json.dumps({"lora_dropout": 0.95}), "lora_dropout"),
+                         (json.dumps({"init_lora_weights": "pissa"}), "init_lora_weights"),
+                         (json.dumps({"lora_bias": True}), "lora_bias"), (None, "full-parameter")):
         r = a.op("add_adapter_to_model", adapter_name="x", config=config)
         assert r.status_code == 400 and word in r.json()["detail"], r.text
     assert a.op("add_adapter_to_model", adapter_name="../x", config=LORA).status_code == 400
