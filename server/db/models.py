@@ -134,6 +134,21 @@ class NativeAdapterRow(Base):
     __table_args__ = (UniqueConstraint("session_id", "adapter_name"),)
 
 
+class NativeSamplerAdapterRow(Base):
+    """A LoRA slot a native session added to a served model's sampler (`add_adapter_to_sampler`): its name and
+    validated config, no weights (the protocol fills a slot by a weight sync this server does not offer), so sampling
+    with its name samples the base model. Reachable only through its live session; deleted once the session ended.
+    server/services/native/sampler_adapters.py, migration 0013."""
+
+    __tablename__ = "native_sampler_adapters"
+    session_id: Mapped[str] = mapped_column(ForeignKey("sessions.id"), primary_key=True)
+    base_model: Mapped[str] = mapped_column(String(256), primary_key=True)
+    adapter_name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), index=True)
+    lora: Mapped[dict[str, Any]] = mapped_column(JSON)  # the LoraSpec's JSON
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
 class SamplingSessionRow(Base):
     """A sampling session: the immutable weights one SamplingClient samples from (or the base model alone)."""
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, Table, and_, bindparam, func, or_, select, update
+from sqlalchemy import ColumnElement, Table, and_, bindparam, delete, func, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from server.db.models import (
@@ -15,6 +15,7 @@ from server.db.models import (
     CheckpointRow,
     ModelRow,
     NativeAdapterRow,
+    NativeSamplerAdapterRow,
     SamplingSessionRow,
     SessionRow,
     TenantRow,
@@ -130,6 +131,26 @@ async def take_native_seq(s: AsyncSession | AsyncConnection, model_id: str) -> i
 async def update_native_adapter(s: AsyncSession | AsyncConnection, model_id: str, *, settings: dict,
                                 progress: dict) -> None:
     await s.execute(_WRITE_STATE, {"mid": model_id, "settings": dict(settings), "progress": dict(progress)})
+
+
+# --- native sampler adapters (add_adapter_to_sampler) ---
+async def sampler_adapter(s: AsyncSession, tenant_id: str, session_id: str, base_model: str,
+                          name: str) -> NativeSamplerAdapterRow | None:
+    row = await s.get(NativeSamplerAdapterRow, (session_id, base_model, name))
+    return row if row is not None and row.tenant_id == tenant_id else None
+
+
+async def count_sampler_adapters(s: AsyncSession, session_id: str) -> int:
+    row = NativeSamplerAdapterRow
+    q = select(func.count()).select_from(row).where(row.session_id == session_id)
+    return int((await s.execute(q)).scalar_one())
+
+
+async def delete_sampler_adapters_of_ended_sessions(s: AsyncSession, stale_before: datetime) -> int:
+    """Delete the sampler adapters of sessions that finished or sent no heartbeat since `stale_before`."""
+    ended = select(SessionRow.id).where(session_ended(stale_before))
+    result = await s.execute(delete(NativeSamplerAdapterRow).where(NativeSamplerAdapterRow.session_id.in_(ended)))
+    return int(result.rowcount or 0)  # type: ignore[attr-defined]
 
 
 # --- checkpoints ---
