@@ -1,7 +1,7 @@
 """The gateway's maintenance loop, started in the app lifespan: expire checkpoints past their TTL (files and rows),
 settle saves whose future nobody collected, start the auto-pushes of finished runs, reclaim ephemeral sampler
 weights nobody can use any more, release the models of ended sessions (server/services/release.py), drop
-their custom losses and write the usage meter's counts.
+their custom losses, native server-held objects and sampler adapters, and write the usage meter's counts.
 
 Every step is idempotent, so several gateways of a cluster may run the loop side by side.
 """
@@ -12,6 +12,7 @@ import asyncio
 import logging
 
 from server.services.native import processor_store as native_processors
+from server.services.native import sampler_adapters as native_sampler_adapters
 from server.services import checkpoints as ckpt
 from server.services import custom_losses, hub_push, release, sampling, sessions
 from server.services.context import Context
@@ -33,7 +34,7 @@ async def flush_usage(ctx: Context) -> None:
 async def maintain_once(ctx: Context) -> None:
     steps = (ckpt.sweep_expired, ckpt.settle_pending, hub_push.trigger_auto_pushes, sampling.reclaim_ephemeral,
              release.release_ended_models, sessions.expire_stale, custom_losses.drop_ended,
-             native_processors.drop_ended, flush_usage)
+             native_processors.drop_ended, native_sampler_adapters.drop_ended, flush_usage)
     for step in steps:
         try:
             await step(ctx)

@@ -10,6 +10,7 @@ import httpx
 import numpy as np
 import pytest
 
+from server.services.native import sampler_adapters
 from tests.support.native_http import LORA, Native, rows, setup_adapter
 from tests.support.server import ServerProcess
 
@@ -272,3 +273,127 @@ def test_preference_family_trains(a: Native, loss_cls: str, kwargs: dict, refere
         losses.append(a.ok("forward_backward", inputs=pairs, adapter_name="default", **extra)["result"]["loss"])
         a.ok("clip_grad_and_step", adapter_name="default")
     assert all(np.isfinite(losses)) and losses[-1] < losses[0], losses
+
+
+def _sample(c: Native, body: dict, model: str | None = None) -> httpx.Response:
+    return c.http.post(f"/sampler/{model or c.model}/twinkle/sample", json=body)
+
+
+def _add_to_sampler(c: Native, name: object, config: object, **kw: object) -> httpx.Response:
+    return c.http.post(f"/sampler/{c.model}/twinkle/add_adapter_to_sampler",
+                       json={"adapter_name": name, "config": config, **kw})
+
+
+# a LoraConfig's __dict__ as plain JSON (what the client sends once the set and the LoraRuntimeConfig object are
+# made JSON): the keys of another peft version are ignored, the ones that change the adapter are read
+PEFT_DICT = {"task_type": "CAUSAL_LM", "peft_type": "LORA", "auto_mapping": None, "peft_version": "0.19.0",
+             "base_model_name_or_path": None, "revision": None, "inference_mode": False, "r": 4,
+             "target_modules": ["q_proj", "v_proj"], "exclude_modules": None, "lora_alpha": 16, "lora_dropout": 0.05,
+             "fan_in_fan_out": False, "bias": "none", "use_rslora": False, "modules_to_save": None,
+             "init_lora_weights": True, "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {},
+             "alpha_pattern": {}, "megatron_config": None, "megatron_core": "megatron.core", "loftq_config": {},
+             "eva_config": None, "corda_config": None, "use_dora": False, "use_qalora": False,
+             "qalora_group_size": 16, "layer_replication": None, "runtime_config": {"ephemeral_gpu_offload": False},
+             "lora_bias": False, "target_parameters": None, "trainable_token_indices": None,
+             "alora_invocation_tokens": None, "some_future_key": [1, 2]}
+
+
+def test_sampler_adapters_sample_the_base_model(a: Native) -> None:
+    """add_adapter_to_sampler makes a LoRA slot of the session with no weights (the protocol's weight sync is not
+    offered): sampling with its name is sampling the base model, greedy and seeded alike."""
+    assert a.http.post(f"/sampler/{a.model}/twinkle/create", json={}).status_code == 200
+    r = _add_to_sampler(a, "a", {"r": 8, "target_modules": "all-linear"})
+    assert r.status_code == 200 and r.json() == {"status": "ok", "adapter_name": "a"}, r.text
+    r = _add_to_sampler(a, "peft", PEFT_DICT)
+    assert r.status_code == 200 and r.json()["adapter_name"] == "peft", r.text
+    assert _add_to_sampler(a, "peft", json.dumps({**PEFT_DICT, "r": 2})).status_code == 200  # again: replaced
+    prompt = {"input_ids": list(range(5, 17)), "labels": [-100] * 12}
+    for params in ({"max_tokens": 6, "temperature": 0.0, "logprobs": 1, "prompt_logprobs": 1},
+                   {"max_tokens": 6, "temperature": 1.0, "seed": 7, "logprobs": 2, "num_samples": 2}):
+        base = _sample(a, {"inputs": [prompt], "sampling_params": params, "adapter_name": ""})
+        assert base.status_code == 200, base.text
+        want = base.json()["samples"][0]
+        for name in ("a", "peft"):
+            r = _sample(a, {"inputs": [prompt], "sampling_params": params, "adapter_name": name, "num_samples": 1})
+            assert r.status_code == 200, r.text
+            got = r.json()["samples"][0]
+            assert [s["tokens"] for s in got["sequences"]] == [s["tokens"] for s in want["sequences"]]
+            for g, w in zip(got["sequences"], want["sequences"]):
+                assert np.allclose([[lp for _, lp in t] for t in g["logprobs"]],
+                                   [[lp for _, lp in t] for t in w["logprobs"]], atol=1e-5)
+                assert [[i for i, _ in t] for t in g["logprobs"]] == [[i for i, _ in t] for t in w["logprobs"]]
+            if want["prompt_logprobs"] is not None:
+                assert np.allclose(got["prompt_logprobs"][1:], want["prompt_logprobs"][1:], atol=1e-5)
+
+
+def test_sampler_adapter_names_and_configs_are_checked(a: Native) -> None:
+    for config, word in (({"r": 100000}, "r must be"), ({"use_dora": True}, "use_dora"),
+                         ({"target_modules": ["embed_tokens"]}, "target_modules"),
+                         ({"lora_dropout": 0.95}, "lora_dropout"),
+                         ({"init_lora_weights": "pissa"}, "init_lora_weights"),
+                         ({"peft_type": "IA3"}, "peft_type"), ("{not json", "not valid JSON"), ([8], "LoraConfig"),
+                         (None, "config is required")):
+        r = _add_to_sampler(a, "x", config)
+        assert r.status_code == 400 and word in r.json()["detail"], (config, r.text)
+    for name in ("../x", "", "x" * 65, 5, None):
+        r = _add_to_sampler(a, name, {"r": 2})
+        assert r.status_code == 400 and "adapter_name" in r.json()["detail"], (name, r.text)
+    r = _add_to_sampler(a, "x", {"r": 2}, save_dir="/tmp/evil")
+    assert r.status_code == 400 and "save_dir" in r.json()["detail"]
+    r = a.http.post(f"/sampler/{a.model}/twinkle/add_adapter_to_sampler", json={"adapter_name": "x", "config": {}},
+                    headers={"X-Twinkle-Session-Id": ""})
+    assert r.status_code == 400 and "X-Twinkle-Session-Id" in r.json()["detail"]
+    assert _add_to_sampler(a, "x", {}).status_code == 200  # every key has a default
+    r = a.http.post("/sampler/no-such-model/twinkle/add_adapter_to_sampler", json={"adapter_name": "x", "config": {}})
+    assert r.status_code == 404
+
+    prompt = {"input_ids": [5, 6, 7]}
+    r = _sample(a, {"inputs": [prompt], "adapter_name": "never-added"})
+    assert r.status_code == 404 and "add_adapter_to_sampler" in r.json()["detail"], r.text
+    assert r.json()["category"] == "user"
+    r = _sample(a, {"inputs": [prompt], "adapter_name": "../x"})
+    assert r.status_code == 400 and "adapter_name" in r.json()["detail"]
+    r = _sample(a, {"inputs": [prompt], "adapter_name": ["x"]})
+    assert r.status_code == 400 and "adapter_name" in r.json()["detail"]
+    r = a.http.post(f"/sampler/{a.model}/twinkle/sample", json={"inputs": [prompt], "adapter_name": "x"},
+                    headers={"X-Twinkle-Session-Id": ""})
+    assert r.status_code == 400 and "X-Twinkle-Session-Id" in r.json()["detail"]
+    for empty in ("", None):  # no adapter: the base model, as before (no session needed)
+        r = a.http.post(f"/sampler/{a.model}/twinkle/sample", json={"inputs": [prompt], "adapter_name": empty},
+                        headers={"X-Twinkle-Session-Id": ""})
+        assert r.status_code == 200, r.text
+
+    for i in range(sampler_adapters.MAX_PER_SESSION - 1):  # "x" is the first
+        assert _add_to_sampler(a, f"n{i}", {"r": 2}).status_code == 200
+    assert _add_to_sampler(a, "n0", {"r": 4}).status_code == 200  # replacing takes no room
+    r = _add_to_sampler(a, "one-too-many", {"r": 2})
+    assert r.status_code == 400 and f"at most {sampler_adapters.MAX_PER_SESSION}" in r.json()["detail"]
+
+
+def test_sampler_adapters_belong_to_their_session(server: ServerProcess, a: Native) -> None:
+    assert _add_to_sampler(a, "mine", {"r": 2}).status_code == 200
+    prompt = {"input_ids": [5, 6, 7]}
+    b = Native(server, server.api_key_b)
+    assert _sample(b, {"inputs": [prompt], "adapter_name": "mine"}).status_code == 404  # B's own session
+    b.http.headers["X-Twinkle-Session-Id"] = a.session  # B knows A's session id
+    for r in (_sample(b, {"inputs": [prompt], "adapter_name": "mine"}), _add_to_sampler(b, "mine", {"r": 2}),
+              _add_to_sampler(b, "other", {"r": 2})):
+        assert r.status_code == 404 and r.json()["category"] == "user", r.text
+    a2 = Native(server, server.api_key_a)  # A's second session does not see the first one's names either
+    assert _sample(a2, {"inputs": [prompt], "adapter_name": "mine"}).status_code == 404
+    assert _sample(a, {"inputs": [prompt], "adapter_name": "mine"}).status_code == 200
+    # adapter_uri wins: an adapter_name beside it is not looked up, the saved weights are sampled
+    setup_adapter(a2, gas=1)
+    a2.ok("forward_backward", inputs=rows(n=2), adapter_name="default")
+    a2.ok("clip_grad_and_step", adapter_name="default")
+    path = a2.ok("save", name="s", is_sampler=True, adapter_name="default")["twinkle_path"]
+    greedy = {"max_tokens": 4, "temperature": 0.0, "logprobs": 1}
+    by_uri = _sample(a2, {"inputs": [prompt], "sampling_params": greedy, "adapter_uri": path}).json()
+    both = _sample(a2, {"inputs": [prompt], "sampling_params": greedy, "adapter_uri": path, "adapter_name": "zz"})
+    assert both.status_code == 200 and both.json() == by_uri, both.text
+    # an ended session's names are gone with it
+    finish = httpx.post(f"{server.base_url}/api/v1/sessions/{a.session}/finish", json={},
+                        headers={"X-API-Key": server.api_key_a})
+    assert finish.status_code == 200, finish.text
+    r = _sample(a, {"inputs": [prompt], "adapter_name": "mine"})
+    assert r.status_code == 404 and "ended" in r.json()["detail"], r.text

@@ -5,16 +5,17 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Body
+from fastapi import APIRouter, Body, Header
 
 from api_schemas.native.components import ComponentError, resolve
 from server.api.deps import Ctx, Tenant
 from server.errors import BadRequest
-from server.services.native import sampler, settings
+from server.services.native import sampler, sampler_adapters, settings
 
 router = APIRouter(prefix="/sampler/{model:path}/twinkle")
 
 JsonBody = Annotated[dict[str, Any], Body(default_factory=dict)]
+SessionId = Annotated[str | None, Header(alias="X-Twinkle-Session-Id")]  # missing where needed: the service's 400
 
 
 @router.post("/create")
@@ -37,10 +38,13 @@ async def set_template(model: str, ctx: Ctx, tenant: Tenant, body: JsonBody) -> 
 
 
 @router.post("/add_adapter_to_sampler")
-async def add_adapter_to_sampler(model: str, ctx: Ctx, tenant: Tenant, body: JsonBody) -> dict[str, Any]:
-    ctx.served(model)
-    raise BadRequest("add_adapter_to_sampler is not offered: save the adapter with save(is_sampler=True) and "
-                     "pass its twinkle:// path as sample(adapter_uri=...)")
+async def add_adapter_to_sampler(model: str, ctx: Ctx, tenant: Tenant, body: JsonBody,
+                                 session: SessionId = None) -> dict[str, Any]:
+    """A LoRA slot of the caller's session on this sampler: a name and a config, no weights (the protocol's weight
+    sync is not offered), so sample(adapter_name=...) with it samples the base model; trained weights are sampled by
+    sample(adapter_uri=<a twinkle:// path of save(is_sampler=True)>)."""
+    name = await sampler_adapters.add(ctx, tenant, session, model, body)
+    return {"status": "ok", "adapter_name": name}
 
 
 @router.post("/apply_patch")
@@ -51,5 +55,5 @@ async def apply_patch(model: str, ctx: Ctx, tenant: Tenant, body: JsonBody) -> d
 
 
 @router.post("/sample")
-async def sample(model: str, ctx: Ctx, tenant: Tenant, body: JsonBody) -> dict[str, Any]:
-    return await sampler.sample(ctx, tenant, model, body)
+async def sample(model: str, ctx: Ctx, tenant: Tenant, body: JsonBody, session: SessionId = None) -> dict[str, Any]:
+    return await sampler.sample(ctx, tenant, model, body, session)

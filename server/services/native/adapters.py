@@ -80,10 +80,10 @@ async def native_session(ctx: Context, tenant_id: str, session_id: str | None) -
                        "create a new client") from None
 
 
-def check_adapter_name(name: object) -> str:
+def check_adapter_name(name: object, first: str = "add_adapter_to_model") -> str:
     if not isinstance(name, str) or not ADAPTER_NAME.match(name):
         raise BadRequest(f"adapter_name {name!r} must be 1-64 letters, digits, '.', '_' or '-' "
-                         "(call add_adapter_to_model first)")
+                         f"(call {first} first)")
     return name
 
 

@@ -5,7 +5,10 @@ model's chat template and its generation prompt). Each input is one Sample job (
 versions and backends as Tinker sampling) with `num_samples` sequences; the answer is upstream's shape:
 `{"samples": [{"sequences": [...], "prompt_logprobs": ...}]}`, each sequence with `new_input_feature` (the input
 with the generated turn appended: ids, shifted labels, and the assistant message when the input had messages).
-`adapter_uri` must be a twinkle:// (or tinker://) path of the caller's own checkpoint.
+`adapter_uri` must be a twinkle:// (or tinker://) path of the caller's own checkpoint. `adapter_name` without
+`adapter_uri` names a slot the caller's session added with add_adapter_to_sampler, which holds no weights: the base
+model is sampled (server/services/native/sampler_adapters.py); with `adapter_uri` it is not looked up; empty, it
+means no adapter.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from server.services import sampling
 from server.services.chat import run_sample
 from server.services.chat_template import chat_tokenizer
 from server.services.context import Context
+from server.services.native import sampler_adapters
 from api_schemas.tinker.json_batch import topk_json
 from server.services.sample_validation import MAX_NUM_SAMPLES, MAX_TOPK, sample_params
 
@@ -115,7 +119,8 @@ def _new_feature(item: Mapping[str, Any], prompt: list[int], tokens: list[int], 
     return out
 
 
-async def sample(ctx: Context, tenant_id: str, model: str, body: dict[str, Any]) -> dict[str, Any]:
+async def sample(ctx: Context, tenant_id: str, model: str, body: dict[str, Any],
+                 session_id: str | None = None) -> dict[str, Any]:
     served = ctx.served(model)
     inputs = body.get("inputs")
     items = [inputs] if isinstance(inputs, Mapping) else inputs
@@ -135,7 +140,10 @@ async def sample(ctx: Context, tenant_id: str, model: str, body: dict[str, Any])
         sp = sample_params(SamplingParams(**params), served, ctx.settings)
     except ValidationError as e:
         raise BadRequest(f"sampling_params: {e.errors()[0]['msg']}") from None
-    weights = await weights_for(ctx, tenant_id, served.name, body.get("adapter_uri"))
+    adapter_uri, adapter_name = body.get("adapter_uri"), body.get("adapter_name")
+    if adapter_uri in (None, "") and adapter_name not in (None, ""):  # a slot of add_adapter_to_sampler: the base
+        await sampler_adapters.check(ctx, tenant_id, session_id, served.name, adapter_name)
+    weights = await weights_for(ctx, tenant_id, served.name, adapter_uri)
     prompts = [_prompt(served, item, feature) for item in items]
     for p in prompts:
         if len(p) >= served.max_context or min(p) < 0 or max(p) >= served.vocab_size:
