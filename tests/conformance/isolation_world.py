@@ -1,7 +1,7 @@
 """Tenant A's resources for the isolation matrix (test_isolation_matrix.py): one of everything a route can name
 (sessions, a training run and its checkpoints of each kind, a future, a sampling session, a custom loss, a hub
-push, a native session with an adapter, a server-side dataset, signed download URLs), made through the real
-clients' requests; and tenant B's own session and run, to carry A's ids in B's requests."""
+push, a native session with an adapter and a sampler adapter, a server-side dataset, signed download URLs), made
+through the real clients' requests; and tenant B's own session and run, to carry A's ids in B's requests."""
 
 from __future__ import annotations
 
@@ -75,6 +75,8 @@ def build(server: ServerProcess) -> World:
     native = Native(server, a_key)
     setup_adapter(native, gas=1)
     native_path = native.ok("save", name="mine", adapter_name="default")["twinkle_path"]
+    _ok(native.http.post(f"/sampler/{server.base_model}/twinkle/add_adapter_to_sampler",
+                         json={"adapter_name": "default", "config": {"r": 2}}))  # A's sampler adapter
     upload_id = native.ok("upload_to_hub", checkpoint_dir=native_path, hub_model_id="alice/native",
                           hub_token="hf_a_secret", adapter_name="default")["request_id"]
     dataset = {"processor_type": "dataset", "class_type": "Dataset", "dataset_meta": meta([{"query": "q", "response": "r"}])}

@@ -71,6 +71,10 @@ class World:
         return self.native.http.post(f"/sampler/{self.srv.base_model}/twinkle/sample", json={
             "inputs": inputs, "sampling_params": {"max_tokens": 1, **params}})
 
+    def sampler_adapter(self, name: str, **config: Any) -> httpx.Response:
+        return self.native.http.post(f"/sampler/{self.srv.base_model}/twinkle/add_adapter_to_sampler", json={
+            "adapter_name": name, "config": {**json.loads(LORA), **config}})
+
     def chat(self, **body: Any) -> httpx.Response:
         return self.a.post("/v1/chat/completions", json={"model": self.srv.base_model, "max_tokens": 1, "messages": [
             {"role": "user", "content": "hi"}], **body})
@@ -170,6 +174,10 @@ OVER: list[tuple[str, str, Send, int, tuple[str, ...]]] = [
      ("rank 9", f"maximum {RANK}", "max_lora_rank")),
     ("lora rank", "native", lambda w: w.native_op("add_adapter_to_model", adapter_name="r9", config=json.dumps(
         {**json.loads(LORA), "r": RANK + 1})), 400, ("r must be", f"1 to {RANK}", "9")),
+    ("lora rank", "native sampler", lambda w: w.sampler_adapter("r9", r=RANK + 1), 400,
+     ("r must be", f"1 to {RANK}", "9")),
+    ("lora target modules", "native sampler", lambda w: w.sampler_adapter("tm", target_modules=["not_a_layer"]), 400,
+     ("target_modules", "not_a_layer")),
     ("lora target modules", "native", lambda w: w.native_op("add_adapter_to_model", adapter_name="tm", config=(
         json.dumps({**json.loads(LORA), "target_modules": ["q_proj", "not_a_layer"]}))), 400,
      ("target_modules", "not_a_layer")),
@@ -186,6 +194,7 @@ OVER: list[tuple[str, str, Send, int, tuple[str, ...]]] = [
                                                     json={"project_id": "p" * 129}), 422, ("128 characters",)),
     ("adapter name", "native", lambda w: w.native.op("add_adapter_to_model", adapter_name="x" * 65, config=LORA),
      400, ("adapter_name", "1-64")),
+    ("adapter name", "native sampler", lambda w: w.sampler_adapter("x" * 65), 400, ("adapter_name", "1-64")),
     ("metadata", "tinker", lambda w: w.a.post("create_session", json={
         "user_metadata": {f"k{i}": "v" for i in range(65)}}), 422, ("65 entries", "limit is 64")),
     ("metadata", "tinker", lambda w: w.a.post("create_session", json={"user_metadata": {"k" * 129: "v"}}), 422,
@@ -251,6 +260,8 @@ UNDER: list[tuple[str, str, Send]] = [
     ("lora rank", "tinker", lambda w: w.a.done(w.a.create_model(w.a.session, 1, rank=RANK))),
     ("lora rank, target modules, adapter name", "native",
      lambda w: _native_adapter(w.native, "x" * 64, RANK, ["q_proj"])),
+    ("lora rank, target modules, adapter name", "native sampler",
+     lambda w: w.sampler_adapter("x" * 64, r=RANK, target_modules=["q_proj"])),
     ("checkpoint name, ttl", "tinker", lambda w: w.a.done(w.a.post("save_weights", json={
         "model_id": w.a.model, "seq_id": w.a.take_seq(), "path": "n" * 128, "ttl_seconds": 3600}))),
     ("ttl", "rest", lambda w: w.a.http.put(f"/api/v1/training_runs/{w.a.model}/checkpoints/weights/{'n' * 128}/ttl",

@@ -1,7 +1,8 @@
 """The isolation matrix, generated from the route table: every route that takes an id or a path is called by tenant
 B with tenant A's (session, run, future, sampling session, checkpoints of each kind as tinker:// and twinkle://
-paths, custom loss, push, native session and adapter, server-side dataset) and must answer 404, as for an id that
-does not exist. A route added to the app without a line in CASES or NO_ID fails test_every_route_is_in_the_matrix.
+paths, custom loss, push, native session, adapter and sampler adapter, server-side dataset) and must answer 404, as
+for an id that does not exist. A route added to the app without a line in CASES or NO_ID fails
+test_every_route_is_in_the_matrix.
 
 Signed download URLs take no key: a tampered, an expired, and B's own URL pointed at A's export answer 403; B
 cannot get URLs for A's export (404).
@@ -180,8 +181,13 @@ CASES: dict[tuple[str, str], list[Case]] = {
     ("GET", "/api/v1/model/{model:path}/twinkle/upload_status/{request_id}"): [
         lambda w: (f"/api/v1/model/{w.base_model}/twinkle/upload_status/{w.upload_id}", {})],
     ("POST", "/api/v1/sampler/{model:path}/twinkle/sample"): [
-        _native("sample", {"inputs": rows(n=1), "adapter_uri": p}, session="{w.b_native_session}", kind="sampler")
-        for p in ("{w.native_path}", "{w.sampler}")],
+        *(_native("sample", {"inputs": rows(n=1), "adapter_uri": p}, session="{w.b_native_session}", kind="sampler")
+          for p in ("{w.native_path}", "{w.sampler}")),
+        # A's sampler adapter "default" (add_adapter_to_sampler), named in A's session and in B's own
+        *(_native("sample", {"inputs": rows(n=1)}, session=s, kind="sampler")
+          for s in ("{w.native_session}", "{w.b_native_session}"))],
+    ("POST", "/api/v1/sampler/{model:path}/twinkle/add_adapter_to_sampler"): [
+        _native("add_adapter_to_sampler", {"config": {"r": 2}}, kind="sampler")],
     ("POST", "/api/v1/processor/twinkle/call"): [
         _json("/api/v1/processor/twinkle/call", {"processor_id": "{w.processor}", "function": "__len__"}, session=s)
         for s in ("{w.native_session}", "{w.b_native_session}")],
@@ -216,7 +222,6 @@ NO_ID: dict[tuple[str, str], str] = {
     ("POST", "/api/v1/model/{model:path}/twinkle/create"): "a no-op acknowledgement; reads no session",
     ("POST", "/api/v1/model/{model:path}/twinkle/apply_patch"): "always refused (400) before any lookup",
     ("POST", "/api/v1/sampler/{model:path}/twinkle/apply_patch"): "always refused (400) before any lookup",
-    ("POST", "/api/v1/sampler/{model:path}/twinkle/add_adapter_to_sampler"): "always refused (400): adapter_uri",
     ("POST", "/api/v1/sampler/{model:path}/twinkle/set_template"): "checks the name against the allow-list only; "
                                                                     "stores nothing, reads no session",
 }
