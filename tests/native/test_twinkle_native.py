@@ -232,3 +232,36 @@ def test_allow_lists(native_server: NativeServer, connect: Callable[[str], Any])
     # the slots still take the allowed names afterwards
     model.set_loss("CrossEntropyLoss")
     model.set_optimizer("AdamW", lr=LR)
+
+
+def test_sampler_adapter(native_server: NativeServer, connect: Callable[[str], Any]) -> None:
+    """add_adapter_to_sampler with a plain dict config (the only kind this client can send), then sampling with its
+    name: a fresh slot holds no weights (the weight sync is not offered), so it samples the base model."""
+    srv = native_server
+    connect(srv.api_key_a)  # type: ignore[attr-defined]
+    sampler = vLLMSampler(model_id=MODEL_NAME)
+    added = sampler.add_adapter_to_sampler("a", {"r": 8, "target_modules": "all-linear"})
+    assert (added.status, added.adapter_name) == ("ok", "a") and sampler.adapter_name == "a"
+    feature = prompt_feature(srv.model_dir)
+    params = {**GREEDY, "prompt_logprobs": 1}
+    base = sampler.sample(inputs=[feature], sampling_params=params)
+    named = sampler.sample(inputs=[feature], sampling_params=params, adapter_name="a")
+    check_samples(named, 1)
+    want, got = base[0].sequences[0], named[0].sequences[0]
+    assert got.tokens == want.tokens
+    for g, w in zip(got.logprobs or [], want.logprobs or []):
+        assert g[0][0] == w[0][0] and math.isclose(g[0][1], w[0][1], abs_tol=1e-5)
+    assert named[0].prompt_logprobs is not None and base[0].prompt_logprobs is not None
+    for g, w in zip(named[0].prompt_logprobs[1:], base[0].prompt_logprobs[1:]):
+        assert g is not None and w is not None and math.isclose(g, w, abs_tol=1e-5)
+
+    # a real peft LoraConfig: this client sends its __dict__, which JSON cannot hold (the reference's *verified*)
+    with pytest.raises(TypeError):
+        sampler.add_adapter_to_sampler("real", lora())
+    err = _refused(lambda: sampler.add_adapter_to_sampler("big", {"r": 100000}))
+    assert err.response is not None and err.response.status_code == 400 and "r must be" in str(err)
+    err = _refused(lambda: sampler.sample(inputs=[feature], sampling_params=GREEDY, adapter_name="never-added"))
+    assert err.response is not None and err.response.status_code == 404 and "add_adapter_to_sampler" in str(err)
+
+    connect(srv.api_key_b)  # type: ignore[attr-defined]  # B's key and session: A's name is not B's
+    _refused(lambda: sampler.sample(inputs=[feature], sampling_params=GREEDY, adapter_name="a"))
