@@ -141,7 +141,7 @@ async def sample(ctx: Context, tenant_id: str, model: str, body: dict[str, Any],
     except ValidationError as e:
         raise BadRequest(f"sampling_params: {e.errors()[0]['msg']}") from None
     adapter_uri, adapter_name = body.get("adapter_uri"), body.get("adapter_name")
-    if adapter_uri in (None, "") and adapter_name not in (None, ""):  # a slot of add_adapter_to_sampler: the base
+    if adapter_uri in (None, "") and adapter_name not in (None, ""):  # add_adapter_to_sampler's slot: no weights
         await sampler_adapters.check(ctx, tenant_id, session_id, served.name, adapter_name)
     weights = await weights_for(ctx, tenant_id, served.name, adapter_uri)
     prompts = [_prompt(served, item, feature) for item in items]

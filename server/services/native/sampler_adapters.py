@@ -1,9 +1,10 @@
 """The native sampler's LoRA slots: `add_adapter_to_sampler(adapter_name, config)` and `sample(adapter_name=...)`.
 
-Upstream registers a fresh LoRA slot in its vLLM sampler under `<session>-<adapter_name>`; weights would reach it
-only by a weight sync, which this server's HTTP protocol does not offer. A fresh LoRA (peft's default init: B = 0)
-computes exactly the base model, so a slot here is its name and validated config (SQL `native_sampler_adapters`)
-and sampling with its name samples the base model's weights. `adapter_uri` (the caller's own saved checkpoint) is
+Upstream's route hands `<session>-<adapter_name>` and a peft LoraConfig to its sampler (twinkle-kit 0.5.1's
+vLLMSampler leaves the call unimplemented, and its `sample(adapter_name=...)` selects no LoRA); a slot's weights
+would arrive only by a weight sync, which this server's HTTP protocol does not offer. A fresh LoRA (peft's default
+init: B = 0) computes exactly the base model, so a slot here is its name and validated config (SQL
+`native_sampler_adapters`) and sampling with its name samples the base model's weights. `adapter_uri` (the caller's own saved checkpoint) is
 how trained weights are sampled, and it wins when both are given.
 
 A slot belongs to the caller's tenant, its native session (`X-Twinkle-Session-Id`, which must be the key's tenant's
