@@ -4,8 +4,13 @@ The cluster is what an operator runs: `twinkle-server serve` as the gateway (SQL
 `twinkle-server worker`, and a Redis of the campaign's own on a free loopback port with AOF on and
 `appendfsync always`. `--tenants` stock-SDK clients (default 3, one tenant each) train a deterministic SFT sequence
 (tests/support/sft.py: the batch of step i is fixed, forward_backward + optim_step submitted together, then
-awaited) while a killer, `--kills` times (default 100), waits a random 0.5-2 s, SIGKILLs one of the three at
-random and starts it again at once, as a supervisor would; the next kill waits until the restarted one is ready.
+awaited), each on a base model of its own: the worker serves the tiny model under one served name per tenant, so
+no two tenants' jobs share a merged pass. That keeps every tenant's arithmetic the same in the campaign and in the
+replay: a merged pass equals the solo ones only to rounding (on some CPUs the grouped LoRA matmul of a merged pass
+rounds differently from the single-adapter one), and Adam at this learning rate grows a rounding difference into
+a different run within a few hundred steps, which would hide a job run twice behind noise. Meanwhile a killer,
+`--kills` times (default 100), waits a random 0.5-2 s, SIGKILLs one of the three processes at random and starts it
+again at once, as a supervisor would; the next kill waits until the restarted one is ready.
 
 Reported (one JSON line):
 - `lost_futures`: a future the server acknowledged that never resolved within `--future-timeout` (target 0);
@@ -46,7 +51,7 @@ TOLERANCE = 1e-5
 class Cluster:
     """Gateway, worker and Redis as subprocesses sharing one data dir; each can be killed and started again."""
 
-    def __init__(self, root: Path, model: str) -> None:
+    def __init__(self, root: Path, model: str, names: list[str]) -> None:
         from tests.support.redis_server import RedisServer
         from tests.support.server import ServerProcess, WorkerProcess
 
@@ -56,8 +61,11 @@ class Cluster:
                "TWINKLE_WORKER_LEASE_SECONDS": "2", "TWINKLE_SNAPSHOT_EVERY_STEPS": "3",
                "TWINKLE_LONG_POLL_SECONDS": "10"}
         debug = ("--log-level", "debug") if os.environ.get("TWINKLE_FAULT_KEEP") else ()
+        served = ("--served-model-name", names[0], *[a for n in names[1:] for a in
+                                                         ("--base-model", model, "--served-model-name", n)])
+        # the gateway loads no model (cluster mode): it serves the models the worker registers
         self.gateway = ServerProcess(root, model, env=env, args=debug)
-        self.worker = WorkerProcess(root, model, env=env)
+        self.worker = WorkerProcess(root, model, env=env, args=served)
 
     def start(self) -> None:
         self.redis.start()
@@ -166,12 +174,13 @@ def run(kills: int, tenants: int = 3, seed: int = 0, future_timeout: float = 180
         if os.environ.get("TWINKLE_FAULT_KEEP"):  # keep the processes' logs and data (a campaign to look into)
             tmp = tempfile.mkdtemp(prefix="fault-", dir=work_dir)
         folder = build_tiny_model(Path(tmp) / "tiny")
-        cluster = Cluster(Path(tmp) / "cluster", str(folder))
+        names = [f"tiny-{t}" for t in range(tenants)]  # a served model per tenant (see the docstring)
+        cluster = Cluster(Path(tmp) / "cluster", str(folder), names)
         keys = [cluster.gateway.create_key(f"fault-{t}") for t in range(tenants)]
         cluster.start()
         try:
             services = [tinker.ServiceClient(base_url=cluster.gateway.base_url, api_key=k) for k in keys]
-            clients = [sc.create_lora_training_client(base_model=str(folder), rank=4, seed=10 + t).result()
+            clients = [sc.create_lora_training_client(base_model=names[t], rank=4, seed=10 + t).result()
                        for t, sc in enumerate(services)]
             progress, recoveries, stop = Progress(tenants), {}, threading.Event()
             trainers = [threading.Thread(target=_train, args=(tc, t, stop, progress, future_timeout), daemon=True)
@@ -187,7 +196,7 @@ def run(kills: int, tenants: int = 3, seed: int = 0, future_timeout: float = 180
             # the same steps again, uninterrupted, for each tenant: equal weights mean every job ran exactly once
             differ, worst = 0, 0.0
             for t, (sc, tc) in enumerate(zip(services, clients)):
-                replay = sc.create_lora_training_client(base_model=str(folder), rank=4, seed=10 + t).result()
+                replay = sc.create_lora_training_client(base_model=names[t], rank=4, seed=10 + t).result()
                 sft(replay, progress.steps[t])
                 got, want = cluster.state(tc, f"campaign{t}"), cluster.state(replay, f"replay{t}")
                 gap = max(float((got[k] - want[k]).abs().max()) for k in want) if got.keys() == want.keys() else 1e9

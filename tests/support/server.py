@@ -72,6 +72,7 @@ class WorkerProcess(ManagedProcess):
         self.data_dir = data_dir
         self.base_model = base_model
         self.args = args  # more `worker` arguments (e.g. more base models, served names)
+        self.lanes = 1 + args.count("--base-model")  # training queues it must hold before it is ready
         self.env = quiet_env(env)
         self.starts = 0
         self._mark = 0
@@ -90,7 +91,8 @@ class WorkerProcess(ManagedProcess):
         return self
 
     def wait_ready(self, timeout: float = 180.0) -> None:
-        """Until this start of the worker holds its training queue's lease (it is then consuming jobs)."""
+        """Until this start of the worker holds the lease of each of its models' training queues (it is then
+        consuming their jobs)."""
         self.wait_until(self._holds_lease, timeout, interval=0.1)
 
     def _holds_lease(self) -> bool:
@@ -98,7 +100,7 @@ class WorkerProcess(ManagedProcess):
             f.seek(self._mark)
             lines = f.read().decode(errors="replace").splitlines()
         lines = [json.loads(line).get("msg", "") if line.startswith("{") else line for line in lines]  # JSON logs too
-        return any(self.READY in line and line.endswith("|train") for line in lines)
+        return len({line for line in lines if self.READY in line and line.endswith("|train")}) >= self.lanes
 
 
 def two_tenant_server(data_dir: Path, base_model: str, python: str = sys.executable) -> ServerProcess:
