@@ -17,6 +17,7 @@ from starlette.middleware import Middleware
 
 from api_schemas.hub import HubPusher
 from api_schemas.models import ServedModel
+from jobqueue import tracing
 from jobqueue.base import GatewayQueue
 from jobqueue.storage import CheckpointStorage
 from server.api import dashboard, health, metrics, openai
@@ -92,7 +93,10 @@ def create_app(
             await admission.close()
             await queue.close()
             await db.close()
+            await asyncio.to_thread(tracing.flush)  # the spans still buffered (jobqueue/tracing.py)
 
+    # spans of each request and of its jobs in the in-process workers, when an OTLP collector is configured
+    tracing.setup_from(settings.otel_endpoint, settings.otel_service_name, "gateway")
     app = FastAPI(title="Twinkle server", version="0.1.0", lifespan=lifespan, **_telemetry(settings))
     app.state.key_cache, app.state.rate_limiter = _key_cache(settings, shared)
     # Routes are matched in order: the per-step ones (training, futures) first; no two of these paths overlap.
