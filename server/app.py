@@ -90,6 +90,10 @@ def create_app(
                 await ctx.usage.flush(db)  # the last round's token counts
             except Exception:
                 log.exception("writing the usage counts at shutdown failed")
+            try:
+                await ctx.losses.flush(db)  # the last round's loss points (server/services/loss_history.py)
+            except Exception:
+                log.exception("writing the loss points at shutdown failed")
             await admission.close()
             await queue.close()
             await db.close()
