@@ -111,3 +111,14 @@ def test_doctor_checks_the_collector(tmp_path: Path) -> None:
         assert receiver.posts == [("/v1/traces", b"")]
     closed = doctor(f"http://127.0.0.1:{free_port()}")
     assert closed.startswith("FAIL") and "TWINKLE_OTEL_ENDPOINT" in closed, closed
+
+
+def test_ray_replicas_get_the_tracing_settings() -> None:
+    pytest.importorskip("ray")
+    from deploy.ray_app import worker_options
+    from server.config import Settings
+
+    opts = worker_options(Settings(redis_url="redis://127.0.0.1:6379/0", otel_endpoint="http://collector:4318",
+                                   otel_service_name="twinkle-ray"))
+    assert (opts.otel_endpoint, opts.otel_service_name) == ("http://collector:4318", "twinkle-ray")
+    assert worker_options(Settings(redis_url="redis://127.0.0.1:6379/0")).otel_endpoint is None
