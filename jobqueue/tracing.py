@@ -40,6 +40,7 @@ TRACES_PATH = "/v1/traces"
 
 _tracer: Tracer | None = None  # None: tracing is off in this process
 _provider: TracerProvider | None = None
+_otel: Any = None  # the OpenTelemetry API pieces the helpers use, imported once by `setup`
 _NO_FIELDS: dict[str, Any] = {}
 
 
@@ -77,8 +78,11 @@ def setup(*, endpoint: str | None = None, service_name: str | None = None, expor
     reads the other standard variables (OTEL_EXPORTER_OTLP_HEADERS, OTEL_TRACES_SAMPLER, OTEL_RESOURCE_ATTRIBUTES,
     ...). The provider also becomes the global one when none is set yet, so libraries' instrumentation (FastAPI's
     own, TWINKLE_OTEL_TELEMETRY) reports into the same exporter. Called again, it replaces this module's provider."""
-    global _tracer, _provider
-    from opentelemetry import trace
+    global _tracer, _provider, _otel
+    import types
+
+    from opentelemetry import context, trace
+    from opentelemetry.context import Context
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
@@ -91,6 +95,10 @@ def setup(*, endpoint: str | None = None, service_name: str | None = None, expor
     provider = TracerProvider(resource=Resource.create({"service.name": name, "twinkle.process": process}))
     provider.add_span_processor(BatchSpanProcessor(exporter) if batch else SimpleSpanProcessor(exporter))
     old = _provider
+    _otel = types.SimpleNamespace(attach=context.attach, detach=context.detach, current=trace.get_current_span,
+                                  in_context=trace.set_span_in_context, NonRecordingSpan=trace.NonRecordingSpan,
+                                  Context=Context, Link=trace.Link, SERVER=trace.SpanKind.SERVER,
+                                  CONSUMER=trace.SpanKind.CONSUMER, ERROR=trace.StatusCode.ERROR)
     _provider, _tracer = provider, provider.get_tracer("twinkle")
     if type(trace.get_tracer_provider()).__name__ == "ProxyTracerProvider":  # nobody set one: ours
         trace.set_tracer_provider(provider)
@@ -128,32 +136,27 @@ def start_request(method: str) -> tuple[Span, object, str] | None:
     tracer = _tracer
     if tracer is None:
         return None
-    from opentelemetry import context, trace
-    from opentelemetry.trace import SpanKind
-
-    span = tracer.start_span(method, kind=SpanKind.SERVER, attributes={"http.request.method": method})
-    return span, context.attach(trace.set_span_in_context(span)), method
+    span = tracer.start_span(method, kind=_otel.SERVER)
+    return span, _otel.attach(_otel.in_context(span)), method
 
 
 def end_request(handle: tuple[Span, object, str], route: str, status: int, tenant_id: str | None,
                 request_id: str, error: BaseException | None = None) -> None:
     """End the request's span: named by its route template (only the method for a path no route serves)."""
-    from opentelemetry import context
-    from opentelemetry.trace import StatusCode
-
     span, token, method = handle
-    context.detach(token)  # type: ignore[arg-type]
+    _otel.detach(token)
+    attributes: dict[str, Any] = {"http.request.method": method, "http.response.status_code": status,
+                                  "twinkle.request_id": request_id}
     if route != "unmatched":
         span.update_name(f"{method} {route}")
-        span.set_attribute("http.route", route)
-    span.set_attribute("http.response.status_code", status)
-    span.set_attribute("twinkle.request_id", request_id)
+        attributes["http.route"] = route
     if tenant_id is not None:
-        span.set_attribute("twinkle.tenant_id", tenant_id)
+        attributes["twinkle.tenant_id"] = tenant_id
+    span.set_attributes(attributes)  # at once: each call takes the span's lock
     if error is not None:
         span.record_exception(error)
     if status >= 500:
-        span.set_status(StatusCode.ERROR)
+        span.set_status(_otel.ERROR)
     span.end()
 
 
@@ -162,9 +165,7 @@ def job_fields() -> dict[str, Any]:
     dict when tracing is off or no sampled span is current."""
     if _tracer is None:
         return _NO_FIELDS
-    from opentelemetry import trace
-
-    sc = trace.get_current_span().get_span_context()
+    sc = _otel.current().get_span_context()
     if not sc.is_valid or not sc.trace_flags.sampled:
         return _NO_FIELDS
     return {"traceparent": f"00-{sc.trace_id:032x}-{sc.span_id:016x}-{int(sc.trace_flags):02x}",
@@ -211,12 +212,10 @@ class JobSpans:
         tracer = _tracer
         if tracer is None or job.traceparent is None:
             return
-        from opentelemetry import trace
-
         remote = parse_traceparent(job.traceparent)
         if remote is None:
             return
-        parent = trace.set_span_in_context(trace.NonRecordingSpan(remote))
+        parent = _otel.in_context(_otel.NonRecordingSpan(remote))
         start = job.queued_at_ns if job.queued_at_ns is not None else time.time_ns()
         wait = tracer.start_span("twinkle.job.wait", context=parent, start_time=start, attributes=_job_attributes(
             job, self.base_model))
@@ -227,17 +226,13 @@ class JobSpans:
         """The span of a step of several jobs (a merged pass, or barrier jobs of several models run in one
         hand-over), a trace of its own linked to each traced job's request; None when none of them is traced."""
         tracer = _tracer
+        jobs = list(jobs)
         traced = [self.open[j.job_id] for j in jobs if j.job_id in self.open]
         if tracer is None or not traced:
             return None
-        from opentelemetry import trace
-        from opentelemetry.context import Context
-        from opentelemetry.trace import Link
-
-        jobs = list(jobs)
         tokens = sum(getattr(j.payload, "tokens", 0) for j in jobs)
-        return tracer.start_span("twinkle.step", context=Context(), links=[
-            Link(trace.get_current_span(o.parent).get_span_context()) for o in traced], attributes={
+        return tracer.start_span("twinkle.step", context=_otel.Context(), links=[
+            _otel.Link(_otel.current(o.parent).get_span_context()) for o in traced], attributes={
             "twinkle.base_model": self.base_model, "twinkle.step.jobs": len(jobs), "twinkle.step.tokens": tokens,
             "twinkle.step.merged": merged})
 
@@ -246,16 +241,14 @@ class JobSpans:
         tracer = _tracer
         if tracer is None:
             return
-        from opentelemetry.trace import Link, SpanKind
-
         now = time.time_ns()
-        links = [Link(step.get_span_context())] if step is not None else None
+        links = [_otel.Link(step.get_span_context())] if step is not None else None
         for job in jobs:
             o = self.open.get(job.job_id)
             if o is None or o.run is not None:
                 continue
             o.wait.end(end_time=now)
-            o.run = tracer.start_span("twinkle.job.run", context=o.parent, kind=SpanKind.CONSUMER, start_time=now,
+            o.run = tracer.start_span("twinkle.job.run", context=o.parent, kind=_otel.CONSUMER, start_time=now,
                                       links=links, attributes=_job_attributes(job, self.base_model))
 
     def finished(self, result: JobResult) -> None:
@@ -263,18 +256,12 @@ class JobSpans:
         o = self.open.pop(result.job_id, None)
         if o is None:
             return
-        from opentelemetry.trace import StatusCode
-
-        now = time.time_ns()
-        if o.run is None:  # answered without running (refused by the scheduler)
-            o.wait.end(end_time=now)
-        span = o.run or o.wait
-        outcome = "ok" if result.error is None else f"{result.error.category.value}_error"
-        span.set_attribute("twinkle.outcome", outcome)
-        if result.error is not None and result.error.category.value != "user":
-            span.set_status(StatusCode.ERROR, result.error.message[:200])
-        if o.run is not None:
-            o.run.end(end_time=now)
+        span = o.run or o.wait  # the wait: answered without running (refused by the scheduler)
+        error = result.error
+        span.set_attribute("twinkle.outcome", "ok" if error is None else f"{error.category.value}_error")
+        if error is not None and error.category.value != "user":
+            span.set_status(_otel.ERROR, error.message[:200])
+        span.end()
 
     def close(self) -> None:
         """The loop stops: end what is open (the jobs go back to the queue)."""
