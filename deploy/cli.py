@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 from deploy import audit_cli, tenants_cli, usage_cli
 from deploy.console import key_box, run_gateway
-from jobqueue import logs
+from jobqueue import logs, tracing
 from server.config import Settings
 
 T = TypeVar("T")
@@ -30,6 +30,8 @@ def _serve(args: argparse.Namespace) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     settings = _settings(args)
     logs.configure(settings.log_level, settings.log_format)
+    if not _tracing_ready(settings):
+        return 2
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     if settings.backend == "ray":  # deploy the workers on Ray, then run the gateway here
         return _serve_ray(args, settings)
@@ -67,6 +69,14 @@ def _serve_ray(args: argparse.Namespace, settings: Settings) -> int:
     return serve_ray(settings, config, args.ray_address, deploy_app=not args.no_deploy)
 
 
+def _tracing_ready(settings: Settings) -> bool:
+    """TWINKLE_OTEL_ENDPOINT needs the `otel` extra: without it, say so before anything starts."""
+    if settings.otel_endpoint and not tracing.available():
+        print(f"error: TWINKLE_OTEL_ENDPOINT is set but {tracing.MISSING}", file=sys.stderr)
+        return False
+    return True
+
+
 async def _first_key(settings: Settings) -> None:
     """On a fresh data dir, make one key so a laptop user can start at once (printed once, stored hashed)."""
     from server.db.database import Database
@@ -89,6 +99,8 @@ def _worker(args: argparse.Namespace) -> int:
     logs.configure(settings.log_level, settings.log_format)
     if not settings.redis_url:
         print("error: the worker needs TWINKLE_REDIS_URL or --redis-url", file=sys.stderr)
+        return 2
+    if not _tracing_ready(settings):
         return 2
     from deploy.worker import LANES
     from deploy.worker import main as worker_main

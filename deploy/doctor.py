@@ -1,7 +1,8 @@
 """`twinkle-server doctor`: check what a start needs, without starting anything, and say what to fix.
 
 Checks, each `ok`, `warn`, `skip` or `FAIL` with one line: the database (reachable, its schema revision), Redis
-(when configured), Ray (the `--backend ray` extra), every base model's files (workers/engine/model_assets
+(when configured), the tracing collector (when TWINKLE_OTEL_ENDPOINT is set: the `otel` extra, an empty export
+answered), Ray (the `--backend ray` extra), every base model's files (workers/engine/model_assets
 .inspect_model: nothing is downloaded or converted), free disk for the data dir and the model cache, and whether
 the listening port is free. The exit status is 1 when anything failed, else 0.
 """
@@ -68,6 +69,30 @@ async def _redis(settings: Settings) -> Check:
     return "ok", "redis", f"{shown}: Redis {version} answers"
 
 
+async def _tracing(settings: Settings) -> Check:
+    """With TWINKLE_OTEL_ENDPOINT: the `otel` extra is installed and the collector answers an empty export."""
+    from jobqueue import tracing
+
+    if not settings.otel_endpoint:
+        return "skip", "tracing", "off (set TWINKLE_OTEL_ENDPOINT to export traces over OTLP/HTTP)"
+    if not tracing.available():
+        return "fail", "tracing", tracing.MISSING
+    import httpx
+
+    url = tracing.traces_url(settings.otel_endpoint)
+    shown = url.split("@")[-1]
+    try:
+        async with httpx.AsyncClient(timeout=3) as client:
+            answer = await client.post(url, content=b"", headers={"Content-Type": "application/x-protobuf"})
+    except httpx.HTTPError as e:
+        return "fail", "tracing", f"{shown}: {type(e).__name__}: {str(e)[:200]} -> start the collector or fix " \
+                                  "TWINKLE_OTEL_ENDPOINT"
+    if answer.status_code >= 300:
+        return "warn", "tracing", f"{shown} answers {answer.status_code} to an empty export -> is it an OTLP/HTTP " \
+                                  "traces endpoint?"
+    return "ok", "tracing", f"spans go to {shown}"
+
+
 def _ray(settings: Settings) -> Check:
     if settings.backend != "ray":
         return "skip", "ray", "not used (--backend embedded)"
@@ -132,7 +157,7 @@ def _writable(path: Path) -> bool:
 
 def run(settings: Settings, echo: Callable[[str], None] = print) -> int:
     async def network() -> list[Check]:
-        return [await _database(settings), await _redis(settings)]
+        return [await _database(settings), await _redis(settings), await _tracing(settings)]
 
     checks = [*asyncio.run(network()), _ray(settings), *_models(settings), *_disk(settings), _port(settings)]
     width = max(len(what) for _, what, _ in checks)

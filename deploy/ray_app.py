@@ -37,6 +37,7 @@ def worker_options(settings: Settings):  # type: ignore[no-untyped-def]
         redis_url=settings.redis_url, redis_prefix=settings.redis_prefix, result_ttl=settings.result_ttl_seconds,
         job_ttl=settings.job_ttl_seconds, lease_ttl=settings.worker_lease_seconds,
         reclaim_idle=settings.reclaim_idle_seconds, metrics_seconds=settings.metrics_publish_seconds,
+        otel_endpoint=settings.otel_endpoint, otel_service_name=settings.otel_service_name,
     )
 
 

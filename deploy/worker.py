@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 from deploy.cluster import redis_queue
 from deploy.loop import run_loop
 from deploy.specs import specs_from_settings
+from jobqueue import tracing
 from jobqueue.base import LeaseLost
 from jobqueue.metrics_feed import MetricsPublisher, worker_id
 from jobqueue.redis_queue import RedisQueue
@@ -53,6 +54,7 @@ async def serve_worker(settings: Settings, lanes: tuple[str, ...] = LANES) -> in
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    tracing.setup_from(settings.otel_endpoint, settings.otel_service_name, "worker")  # jobqueue/tracing.py
     queue = redis_queue(settings)
     runtimes, _failed, feed = await asyncio.to_thread(build_cluster_runtimes, specs_from_settings(settings), queue,
                                                       lanes, settings.skip_failed_models)

@@ -17,6 +17,7 @@ from starlette.middleware import Middleware
 
 from api_schemas.hub import HubPusher
 from api_schemas.models import ServedModel
+from jobqueue import tracing
 from jobqueue.base import GatewayQueue
 from jobqueue.storage import CheckpointStorage
 from server.api import dashboard, health, metrics, openai
@@ -89,10 +90,17 @@ def create_app(
                 await ctx.usage.flush(db)  # the last round's token counts
             except Exception:
                 log.exception("writing the usage counts at shutdown failed")
+            try:
+                await ctx.losses.flush(db)  # the last round's loss points (server/services/loss_history.py)
+            except Exception:
+                log.exception("writing the loss points at shutdown failed")
             await admission.close()
             await queue.close()
             await db.close()
+            await asyncio.to_thread(tracing.flush)  # the spans still buffered (jobqueue/tracing.py)
 
+    # spans of each request and of its jobs in the in-process workers, when an OTLP collector is configured
+    tracing.setup_from(settings.otel_endpoint, settings.otel_service_name, "gateway")
     app = FastAPI(title="Twinkle server", version="0.1.0", lifespan=lifespan, **_telemetry(settings))
     app.state.key_cache, app.state.rate_limiter = _key_cache(settings, shared)
     # Routes are matched in order: the per-step ones (training, futures) first; no two of these paths overlap.

@@ -78,7 +78,15 @@ class Settings(BaseSettings):
     # One log line per HTTP request (uvicorn's access log). Off by default: the SDK's long-polls and heartbeats
     # make it a stream of lines, and its synchronous writes cost the gateway CPU on every request.
     access_log: bool = False
-    # FastAPI's native OpenTelemetry instrumentation (tracing, metrics, logs through the global OTel providers)
+    # OpenTelemetry tracing (the `otel` extra; jobqueue/tracing.py, docs/OPERATOR.md "Tracing"): set, every process
+    # (gateway, `twinkle-server worker`, Ray replicas) exports spans of each request, its jobs' wait in the queue and
+    # their run in the worker, over OTLP/HTTP to this collector (its base URL, e.g. http://collector:4318;
+    # /v1/traces is added unless the URL ends with it). Unset: no tracing, and no cost.
+    otel_endpoint: str | None = None
+    # the traces' service.name (unset: OTEL_SERVICE_NAME, else twinkle-server)
+    otel_service_name: str | None = None
+    # FastAPI's native OpenTelemetry instrumentation (tracing, metrics, logs through the global OTel providers; with
+    # otel_endpoint set, its spans go to the same collector). Not needed for otel_endpoint's spans
     otel_telemetry: bool = False
     # Prometheus `/metrics` (server/api/metrics.py): open unless a token is set (then `Authorization: Bearer <it>`);
     # separate workers publish their registries into Redis this often (jobqueue/metrics_feed.py)

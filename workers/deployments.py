@@ -27,6 +27,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from api_schemas.jobs import ErrorCategory, Job, JobError, JobResult, queue_name
+from jobqueue import tracing
 from jobqueue.base import LeaseLost
 from jobqueue.heartbeats import Heartbeats
 from jobqueue.metrics_feed import MetricsPublisher
@@ -51,6 +52,8 @@ class WorkerOptions(BaseModel):
     reclaim_idle: float = 30.0
     heartbeat_seconds: float = 2.0
     metrics_seconds: float = 5.0  # how often the replica publishes its metrics (jobqueue/metrics_feed.py)
+    otel_endpoint: str | None = None  # set: the replica traces its jobs (jobqueue/tracing.py) to this OTLP collector
+    otel_service_name: str | None = None
 
 
 class _Replica:
@@ -60,6 +63,7 @@ class _Replica:
         import ray
 
         self.opts = opts
+        tracing.setup_from(opts.otel_endpoint, opts.otel_service_name, f"ray:{info['kind']}")
         self.queue = RedisQueue(opts.redis_url, prefix=opts.redis_prefix, result_ttl=opts.result_ttl,
                                 job_ttl=opts.job_ttl, lease_ttl=opts.lease_ttl, reclaim_idle=opts.reclaim_idle)
         ctx = serve.get_replica_context()
@@ -192,6 +196,7 @@ class SampleRouter(_Replica):
         await self._start(opts, {"kind": "sample-router", "base_model": spec.base_model})
         self.sampler, self.attempts = sampler, attempts
         self.queue_name = queue_name(spec.base_model, "sample")
+        self.spans = tracing.JobSpans(spec.base_model)  # the jobs' wait and run spans (tracing on only)
         self.inflight: set[asyncio.Task[None]] = set()
         self._spawn(self._consume)
         self._begin_heartbeat()
@@ -207,12 +212,16 @@ class SampleRouter(_Replica):
                 await asyncio.sleep(0.5)
                 continue
             for job in jobs:
+                if job.traceparent is not None:
+                    self.spans.fetched(job)
                 task = asyncio.create_task(self._forward(job))
                 self.inflight.add(task)
                 task.add_done_callback(self.inflight.discard)
 
     async def _forward(self, job: Job) -> None:
         result: JobResult | None = None
+        if self.spans.open:
+            self.spans.started((job,))
         for attempt in range(self.attempts):  # a sampler replica that died mid-request: another one retries
             try:
                 handle = self.sampler.options(multiplexed_model_id=job.model_id)
@@ -225,6 +234,8 @@ class SampleRouter(_Replica):
             result = JobResult(job_id=job.job_id, error=JobError(
                 category=ErrorCategory.SERVER, message="no sampler replica could serve the request"))
         await self.queue.complete(result)
+        if self.spans.open:
+            self.spans.finished(result)
 
 
 @serve.deployment(max_ongoing_requests=8)

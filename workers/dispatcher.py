@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol, runtime_checkable
 
 from api_schemas.jobs import ErrorCategory, Job, JobError, JobResult, ReleaseModel
+from jobqueue import tracing
 from jobqueue.base import LeaseLost, WorkerQueue
 from jobqueue.logs import REQUEST_ID
 from workers import metrics
@@ -77,6 +78,7 @@ class Dispatcher:
         self._known: set[str] = set()  # models whose durable state this worker has looked up
         self._taken: dict[str, float] = {}  # job id -> when this worker fetched it (its latency metric)
         self.base_model = queue_name.split("|", 1)[0]
+        self.spans = tracing.JobSpans(self.base_model)  # jobs' wait and run spans (only with tracing on)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="twinkle-compute")
         self._stopping = False
 
@@ -99,6 +101,8 @@ class Dispatcher:
             now = time.monotonic()
             for job in jobs:
                 self._taken[job.job_id] = now
+                if job.traceparent is not None:
+                    self.spans.fetched(job)
                 if job.model_id not in self._known and not isinstance(job.payload, ReleaseModel):
                     await self._recover(job.model_id)
                 rejection = self.scheduler.add(job, now)
@@ -116,8 +120,15 @@ class Dispatcher:
             return
         if step.merged:
             metrics.merged_step(self.base_model, list(step.jobs))
+        span = None
+        if self.spans.open:
+            span = self.spans.step(step.jobs, step.merged)
+            self.spans.started(step.jobs, span)
         # One hand-over to the compute thread for the whole step: a merged pass, or barrier jobs of several models
-        results = await self._run_together(self.engine, step.jobs)
+        try:
+            results = await self._run_together(self.engine, step.jobs)
+        finally:
+            tracing.end_step(span)
         if not step.merged:
             for job in step.jobs:
                 await self._snapshot_if_due(job, results[job.job_id])
@@ -153,6 +164,8 @@ class Dispatcher:
 
     async def _run(self, job: Job) -> None:
         loop = asyncio.get_running_loop()
+        if self.spans.open:
+            self.spans.started((job,))
         token = REQUEST_ID.set(job.request_id)  # the engine's log lines about this job carry its request id
         try:
             context = contextvars.copy_context()  # run_in_executor would not carry it to the compute thread
@@ -191,6 +204,8 @@ class Dispatcher:
         while True:
             try:
                 await self.queue.complete(result, job=job, replay=replay)
+                if self.spans.open:
+                    self.spans.finished(result)
                 return
             except LeaseLost:
                 raise
@@ -235,3 +250,4 @@ class Dispatcher:
     def stop(self) -> None:
         self._stopping = True
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self.spans.close()

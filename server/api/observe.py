@@ -1,4 +1,5 @@
-"""The outermost look at every HTTP request: its request id, its count in the metrics, its debug log line.
+"""The outermost look at every HTTP request: its request id, its count in the metrics, its debug log line, and with
+tracing on (jobqueue/tracing.py) its span, the root of the request's trace.
 
 The request id (jobqueue/logs.py) is the client's `X-Request-Id` when that is a plain token, else a new one; it is
 set for everything the request runs (the jobs it queues carry it to the worker) and answered in `X-Request-Id`.
@@ -14,6 +15,7 @@ import time
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from jobqueue import tracing
 from jobqueue.logs import REQUEST_ID, request_id_from
 from server.api.deps import TENANT
 from server.api.gate import ROUTE
@@ -49,11 +51,18 @@ class Observe:
                     [(b"x-request-id", rid.encode())]
             await send(message)
 
+        span = tracing.start_request(scope["method"]) if tracing.enabled() else None  # jobqueue/tracing.py
+        error: BaseException | None = None
         try:
             await self.app(scope, receive, sending)
+        except BaseException as e:
+            error = e
+            raise
         finally:
             route = scope.get(ROUTE) or _fastapi_route(scope)
             metrics.count_request(route, scope["method"], status, scope.get(TENANT))
+            if span is not None:
+                tracing.end_request(span, route, status, scope.get(TENANT), rid, error)
             if started:
                 log.debug("%s %s -> %d in %.1f ms", scope["method"], route, status,
                           (time.perf_counter() - started) * 1000)

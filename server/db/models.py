@@ -10,7 +10,9 @@ from sqlalchemy import (
     BigInteger,
     Boolean,
     DateTime,
+    Float,
     ForeignKey,
+    Index,
     Integer,
     String,
     UniqueConstraint,
@@ -267,3 +269,19 @@ class AuditRow(Base):
     target: Mapped[str | None] = mapped_column(String(512), nullable=True)
     request_id: Mapped[str | None] = mapped_column(String(128), nullable=True)
     client: Mapped[str | None] = mapped_column(String(128), nullable=True)  # the client's address, or "cli"
+
+
+class LossPointRow(Base):
+    """One training step's loss for the dashboard's curve of a run (server/services/loss_history.py, migration
+    0014): the `loss:sum` of a delivered training forward_backward. The gateways write them in batches each
+    maintenance round and keep the newest `loss_history.POINTS` seq_ids per run."""
+
+    __tablename__ = "loss_points"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    tenant_id: Mapped[str] = mapped_column(String(64))
+    model_id: Mapped[str] = mapped_column(String(128))  # the training run (models.id)
+    seq_id: Mapped[int] = mapped_column(BigInteger)  # the run's operation number: the curve's x axis
+    loss: Mapped[float] = mapped_column(Float)
+    tokens: Mapped[int] = mapped_column(BigInteger)
+    at: Mapped[datetime] = mapped_column(DateTime(timezone=True))  # when the result was delivered
+    __table_args__ = (Index("ix_loss_points_model_seq", "model_id", "seq_id"),)

@@ -1,11 +1,11 @@
 """What the web dashboard shows one key (server/api/dashboard.py), built from the services that own each fact.
 
 Runs come from the run listing's query (lifecycle_repo.runs, as runs.list_runs pages it), checkpoints from
-checkpoints.list_tenant, usage from usage.report, keys from tenants.list_keys, each run's loss points from the
-gateway's LossHistory, and the service's state (queue depth, held jobs, adapters per tier) from the same text
-`/metrics` answers (metrics.render), so the dashboard and a Prometheus scrape never disagree, whichever wiring
-publishes the workers' metrics. A tenant's key sees its own tenant only; an operator's key (`keys create --admin`)
-every tenant, their keys and the service.
+checkpoints.list_tenant, usage from usage.report, keys from tenants.list_keys, each run's loss points from
+LossHistory.curves (SQL, merged with the gateway's points not written yet), and the service's state (queue depth,
+held jobs, adapters per tier) from the same text `/metrics` answers (metrics.render), so the dashboard and a
+Prometheus scrape never disagree, whichever wiring publishes the workers' metrics. A tenant's key sees its own tenant
+only; an operator's key (`keys create --admin`) every tenant, their keys and the service.
 """
 
 from __future__ import annotations
@@ -59,6 +59,10 @@ async def _tenant(ctx: Context, u: TenantUsage, keys: list[KeyView] | None) -> T
     newest: dict[str, str] = {}
     for c in saved.checkpoints:  # newest first
         newest.setdefault(c.tinker_path.removeprefix("tinker://").split("/", 1)[0], c.tinker_path)
+    # the runs' loss curves: SQL's points (one query for the runs not read yet) and this gateway's newer ones;
+    # behind several gateways a live run's are read again each maintenance round
+    refresh = ctx.settings.maintenance_interval_seconds if ctx.settings.redis_url else None
+    curves = await ctx.losses.curves(ctx.db, u.tenant_id, [(r.id, r.released_at is None) for r in rows], refresh)
     run_views = []
     for r in rows:
         last_request = checkpoints.aware(r.last_request_at) or checkpoints.aware(r.created_at)
@@ -66,7 +70,8 @@ async def _tenant(ctx: Context, u: TenantUsage, keys: list[KeyView] | None) -> T
         run_views.append(RunView(
             run_id=r.id, base_model=r.base_model, lora_rank=None if r.full_param else r.lora_rank,
             last_request_time=last_request, live=r.released_at is None, last_checkpoint=newest.get(r.id),
-            losses=[LossPointView(seq_id=p.seq_id, loss=p.loss, tokens=p.tokens, at=p.at) for p in ctx.losses.of(r.id)],
+            losses=[LossPointView(seq_id=p.seq_id, loss=p.loss, tokens=p.tokens, at=p.at)
+                    for p in curves.get(r.id, ())],
         ))
     ckpt_views = [CheckpointView(tinker_path=c.tinker_path, kind=c.checkpoint_type, time=c.time,
                                  size_bytes=c.size_bytes, public=c.public) for c in saved.checkpoints]

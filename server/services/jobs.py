@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 
 from api_schemas.jobs import Job, JobResult, Lane, Payload, ResultKind, Sample, Skip
 from api_schemas.tinker.types import UntypedFuture
+from jobqueue import tracing
 from jobqueue.base import DuplicateJobMismatch, JobInfo
 from jobqueue.logs import REQUEST_ID
 from server.db.models import ModelRow
@@ -39,8 +40,9 @@ def feed_name(tenant_id: str, sampling_session_id: str, cloned_sampler_id: int) 
 
 def new_job(*, tenant_id: str, base_model: str, model_id: str, seq_id: int, payload: Payload,
             lane: Lane = "train") -> Job:
+    # the request's id, and with tracing on its span (traceparent) and the time now, follow the job to the worker
     return Job(job_id=str(uuid.uuid4()), tenant_id=tenant_id, base_model=base_model, lane=lane, model_id=model_id,
-               seq_id=seq_id, payload=payload, request_id=REQUEST_ID.get())
+               seq_id=seq_id, payload=payload, request_id=REQUEST_ID.get(), **tracing.job_fields())
 
 
 async def submit(ctx: Context, job: Job, dedup_key: str | None = None, feed: str | None = None,

