@@ -6,28 +6,15 @@ parse, wherever it happens, goes through the counted `ForwardBackwardRequest.Fro
 
 from __future__ import annotations
 
-import struct
 from pathlib import Path
 
-import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 from tinker.proto import tinker_public_pb2 as pb
 
 from deploy.embedded import build_embedded_app
 from server.config import Settings
-from server.services.tenants import create_key
-
-
-def _request(model_id: str, seq_id: int, tokens: list[int]) -> bytes:
-    n = len(tokens) - 1
-    datum = pb.Datum(model_input=[pb.Chunk(encoded_text=pb.EncodedTextChunk(tokens=struct.pack(f"<{n}i", *tokens[:-1])))])
-    datum.loss_fn_inputs["target_tokens"].CopyFrom(
-        pb.Tensor(dense=np.asarray(tokens[1:], "<i8").tobytes(), dtype=pb.DTYPE_INT64, shape=[n]))
-    datum.loss_fn_inputs["weights"].CopyFrom(pb.Tensor(dense=np.ones(n, "<f4").tobytes(), dtype=pb.DTYPE_FLOAT32,
-                                                       shape=[n]))
-    msg = pb.ForwardBackwardRequest(model_id=model_id, seq_id=seq_id, loss_fn="cross_entropy", data=[datum])
-    return msg.SerializeToString()
+from tests.support.embedded import fb_request, tenant_model
 
 
 def test_one_protobuf_parse_per_forward_backward(tiny_model_dir: Path, tmp_path: Path,
@@ -46,14 +33,8 @@ def test_one_protobuf_parse_per_forward_backward(tiny_model_dir: Path, tmp_path:
 
     monkeypatch.setattr(pb.ForwardBackwardRequest, "FromString", staticmethod(counted))
     with TestClient(build_embedded_app(settings)) as http:
-        key, _ = http.portal.call(create_key, http.app.state.ctx.db, "tenant")  # type: ignore[union-attr]
-        headers = {"X-API-Key": key}
-        sid = http.post("/api/v1/create_session", json={"tags": []}, headers=headers).json()["session_id"]
-        made = http.post("/api/v1/create_model", headers=headers, json={
-            "session_id": sid, "model_seq_id": 0, "base_model": str(tiny_model_dir), "lora_config": {"rank": 2}}).json()
-        assert http.post("/api/v1/retrieve_future", json={"request_id": made["request_id"]},
-                         headers=headers).status_code == 200
-        body = _request(made["model_id"], 1, [5, 6, 7, 8, 9])
+        headers, model_id = tenant_model(http, str(tiny_model_dir))
+        body = fb_request(model_id, 1, [5, 6, 7, 8, 9])
         fut = http.post("/api/v1/forward_backward", content=body,
                         headers={**headers, "Content-Type": "application/x-protobuf"}).json()
         answer = http.post("/api/v1/retrieve_future", json={"request_id": fut["request_id"]}, headers=headers)

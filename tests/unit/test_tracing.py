@@ -22,11 +22,10 @@ from deploy.embedded import build_embedded_app
 from jobqueue import tracing
 from server.config import Settings
 from server.services import jobs as job_builder
-from server.services.tenants import create_key
+from tests.support.embedded import fb_request, tenant_model
 from tests.support.spans import by_name, recorded_spans
 from tests.unit.engine_jobs import create, fb, random_rows
 from tests.unit.test_dispatcher import RecordingTrainer, _drive
-from tests.unit.test_parse_once import _request
 from workers.checkpoints.store import CheckpointStore
 from workers.engine.base_model import BaseModel
 
@@ -59,20 +58,14 @@ def test_a_training_request_is_one_trace_from_gateway_to_worker(spans: Any, tiny
     monkeypatch.delenv("TWINKLE_REDIS_URL", raising=False)
     settings = Settings(data_dir=tmp_path, base_model=str(tiny_model_dir), long_poll_seconds=20)
     with TestClient(build_embedded_app(settings)) as http:
-        db = http.app.state.ctx.db  # type: ignore[attr-defined]
-        key, _ = http.portal.call(create_key, db, "tenant")  # type: ignore[union-attr]
-        headers = {"X-API-Key": key}
-        sid = http.post("/api/v1/create_session", json={"tags": []}, headers=headers).json()["session_id"]
-        made = http.post("/api/v1/create_model", headers=headers, json={
-            "session_id": sid, "model_seq_id": 0, "base_model": str(tiny_model_dir), "lora_config": {"rank": 2}}).json()
-        assert http.post("/api/v1/retrieve_future", json={"request_id": made["request_id"]},
-                         headers=headers).status_code == 200
-        fut = http.post("/api/v1/forward_backward", content=_request(made["model_id"], 1, [5, 6, 7, 8, 9]),
+        headers, model_id = tenant_model(http, str(tiny_model_dir))
+        fut = http.post("/api/v1/forward_backward", content=fb_request(model_id, 1, [5, 6, 7, 8, 9]),
                         headers={**headers, "Content-Type": "application/x-protobuf",
                                  "X-Request-Id": "req-traced-1"})
         assert fut.status_code == 200, fut.text
         answer = http.post("/api/v1/retrieve_future", json={"request_id": fut.json()["request_id"]}, headers=headers)
         assert answer.status_code == 200
+        db = http.app.state.ctx.db  # type: ignore[attr-defined]
         tenant_id = http.portal.call(_tenant_id, db, "tenant")  # type: ignore[union-attr]
 
     got = _wait_for(spans, lambda s: len(by_name(s, "twinkle.job.run")) >= 2)
@@ -91,7 +84,7 @@ def test_a_training_request_is_one_trace_from_gateway_to_worker(spans: Any, tiny
         assert span.parent is not None and span.parent.span_id == g.context.span_id
         assert span.attributes["twinkle.tenant_id"] == tenant_id
         assert span.attributes["twinkle.request_id"] == "req-traced-1"
-        assert span.attributes["twinkle.model_id"] == made["model_id"]
+        assert span.attributes["twinkle.model_id"] == model_id
         assert span.attributes["twinkle.seq_id"] == 1 and span.attributes["twinkle.job.tokens"] == 4
     assert run.kind.name == "CONSUMER" and run.attributes["twinkle.outcome"] == "ok"
     assert [e.name for e in wait.events] == ["fetched"]
@@ -109,6 +102,7 @@ def test_a_training_request_is_one_trace_from_gateway_to_worker(spans: Any, tiny
     assert len(polls) == 2 and all(p.parent is None for p in polls)
     # no span names a tenant, and no attribute holds the key
     assert not any(tenant_id in s.name or "tenant" in s.name for s in got)
+    key = headers["X-API-Key"]
     assert not any(key in str(v) or key[:10] in str(v) for s in got for v in s.attributes.values())
     assert all(s.resource.attributes["service.name"] == "twinkle-test" for s in got)
 
