@@ -136,7 +136,8 @@ LINKS: dict[tuple[str, str], dict[str, dict[str, str]]] = {
         f"POST {_T}create_model": {"body.session_id": "$request.path.session_id"},
         f"GET {_T}sessions/{{session_id}}": {"path.session_id": "$request.path.session_id"},
     },
-    (f"GET {_T}sessions", "200"): {f"GET {_T}sessions/{{session_id}}": {"path.session_id": "$response.body#/sessions/0"}},
+    (f"GET {_T}sessions", "200"): {
+        f"GET {_T}sessions/{{session_id}}": {"path.session_id": "$response.body#/sessions/0"}},
     (f"POST {_T}sessions/search", "200"): {
         f"GET {_T}sessions/{{session_id}}{tail}": {"path.session_id": "$response.body#/sessions/0/session_id"}
         for tail in ("", "/trace_export")},
@@ -176,12 +177,14 @@ LINKS: dict[tuple[str, str], dict[str, dict[str, str]]] = {
         f"POST {_T}weights_info": {"body.tinker_path": "$response.body#/last_checkpoint/tinker_path"},
     },
     (f"GET {_T}training_runs/{{run_id}}/checkpoints", "200"): _checkpoints(
-        "$response.body#/checkpoints/0/tinker_path", "$request.path.run_id", "$response.body#/checkpoints/0/checkpoint_id"),
+        "$response.body#/checkpoints/0/tinker_path", "$request.path.run_id",
+        "$response.body#/checkpoints/0/checkpoint_id"),
     (f"GET {_T}checkpoints", "200"): _checkpoints("$response.body#/checkpoints/0/tinker_path"),
     (f"POST {_T}copy_weights", "200"): {f"POST {_T}weights_info": {"body.tinker_path": "$response.body#/tinker_path"}},
     # hub pushes (native/v1)
     (f"PUT {_N}hub/tokens/{{provider}}", "200"): {
-        f"{method} {_N}hub/tokens/{{provider}}": {"path.provider": "$request.path.provider"} for method in ("GET", "DELETE")},
+        f"{method} {_N}hub/tokens/{{provider}}": {"path.provider": "$request.path.provider"}
+        for method in ("GET", "DELETE")},
     (f"POST {_N}checkpoints/push", "202"): {f"GET {_N}pushes/{{push_id}}": {"path.push_id": "$response.body#/push_id"}},
     (f"PUT {_N}training_runs/{{run_id}}/auto_push", "200"): {
         f"{method} {_N}training_runs/{{run_id}}/auto_push": {"path.run_id": "$request.path.run_id"}
@@ -295,7 +298,8 @@ def unplaced(doc: dict[str, Any]) -> list[str]:
         if status not in _operation(paths, source).get("responses", {}):
             missing.append(f"{source} {status}")
             continue
-        missing += [f"{source} {status} -> {target}" for target in targets if "operationId" not in _operation(paths, target)]
+        missing += [f"{source} {status} -> {target}" for target in targets
+                    if "operationId" not in _operation(paths, target)]
     return missing
 
 

@@ -71,8 +71,8 @@ def _json_body(op: dict[str, Any]) -> Any:
 
 
 def _has_parameter(op: dict[str, Any], location: str, name: str) -> bool:
-    return any(p["in"] == location and (p["name"].lower() == name.lower() if location == "header" else p["name"] == name)
-               for p in op.get("parameters", []))
+    same = (lambda a, b: a.lower() == b.lower()) if location == "header" else (lambda a, b: a == b)
+    return any(p["in"] == location and same(p["name"], name) for p in op.get("parameters", []))
 
 
 def _expression_problem(doc: Doc, op: dict[str, Any], status: str, expr: Any) -> str | None:
