@@ -188,9 +188,10 @@ def fuzz_stateful(base_url: str, keys: list[str], model: str, scenarios: int, st
                   report: StatefulReport, seed: int = 19) -> None:
     """`scenarios` scenarios of at most `steps` steps each. The server's answers differ between runs (fresh ids,
     jobs done or not yet), so Hypothesis may find a scenario it replays drawing differently (FlakyStrategyDefinition);
-    as schemathesis' own runner does, the run then goes on in a fresh session with the next seed."""
+    as schemathesis' own runner does, the run then goes on in a fresh session with the next seed (about one in 50
+    scenarios here)."""
     machine = state_machine(base_url, keys, model, report)
-    for restart in range(20):
+    for restart in range(20 + scenarios // 10):
         left = scenarios - report.scenarios
         if left <= 0:
             return
