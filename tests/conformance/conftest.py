@@ -28,6 +28,21 @@ def server(server_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     srv.stop()
 
 
+@pytest.fixture(scope="session")
+def fuzz_server(server_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """The fuzzers' own server (test_fuzz.py, test_fuzz_stateful.py): whatever they create stays there. Keys of two
+    tenants (`api_key_a`, `api_key_b`). The model is served under a name, as in production ("org/name"): a
+    folder's absolute path in the native routes' `{model}` segment would lose its leading "/" to the fuzzer's
+    HTTP client, which folds "//"."""
+    srv = ServerProcess(tmp_path_factory.mktemp("fuzz"), str(server_model_dir), name="fuzz/tiny-llama",
+                        env={"TWINKLE_LONG_POLL_SECONDS": "1", "TWINKLE_MAX_LORA_RANK": "32"})
+    srv.api_key_a = srv.create_key("fuzz-a")  # type: ignore[attr-defined]
+    srv.api_key_b = srv.create_key("fuzz-b")  # type: ignore[attr-defined]
+    srv.start()
+    yield srv
+    srv.stop()
+
+
 @pytest.fixture()
 def a(server: ServerProcess) -> Native:
     """Tenant A's native (twinkle_client) session on the conformance server."""
@@ -37,4 +52,5 @@ def a(server: ServerProcess) -> Native:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
     outcome = yield
-    add_server_log(item, outcome.get_result(), "server")
+    for fixture in ("server", "fuzz_server"):
+        add_server_log(item, outcome.get_result(), fixture)

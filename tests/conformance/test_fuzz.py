@@ -3,7 +3,7 @@ and truncated bytes. Target: no 5xx, no answer the document does not declare (st
 
 Bounded: TWINKLE_FUZZ_EXAMPLES cases per operation and pass (positive, negative, and positive with tenant A's real
 ids and paths in place of generated ones, so cases reach past the lookups; default 4), on
-the tiny model, a server of its own (whatever the fuzzer creates stays there). Run it alone:
+the tiny model, the fuzzers' own server (conftest.fuzz_server; whatever the fuzzer creates stays there). Run it alone:
     .venv/bin/python -m pytest -q tests/conformance/test_fuzz.py -s     (prints the figures)
 """
 
@@ -12,8 +12,6 @@ from __future__ import annotations
 import os
 import random
 import struct
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import numpy as np
@@ -26,17 +24,6 @@ from tests.conformance.isolation_world import World, build
 from tests.support.server import ServerProcess
 
 EXAMPLES = int(os.environ.get("TWINKLE_FUZZ_EXAMPLES", "4"))
-
-
-@pytest.fixture(scope="module")
-def fuzz_server(server_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    srv = ServerProcess(tmp_path_factory.mktemp("fuzz"), str(server_model_dir),
-                        env={"TWINKLE_LONG_POLL_SECONDS": "1", "TWINKLE_MAX_LORA_RANK": "8"})
-    srv.api_key_a = srv.create_key("fuzz-a")  # type: ignore[attr-defined]
-    srv.api_key_b = srv.create_key("fuzz-b")  # type: ignore[attr-defined]
-    srv.start()
-    yield srv
-    srv.stop()
 
 
 def _known(w: World) -> dict[str, str]:

@@ -39,10 +39,12 @@ class ServerProcess(ManagedProcess):
     what = "server"
 
     def __init__(self, data_dir: Path, base_model: str, env: dict[str, str] | None = None,
-                 python: str = sys.executable, args: tuple[str, ...] = ()) -> None:
+                 python: str = sys.executable, args: tuple[str, ...] = (), name: str | None = None) -> None:
         self.data_dir = data_dir
-        self.base_model = base_model
-        self.args = args  # more `serve` arguments (e.g. more base models, served names)
+        self.model_folder = base_model  # what `--base-model` loads
+        self.base_model = name or base_model  # what clients call it: `name` (`--served-model-name`), or the folder
+        # more `serve` arguments (e.g. more base models, served names)
+        self.args = (("--served-model-name", name) if name else ()) + args
         self.env = quiet_env(env)
         self.python = python  # the server's interpreter: the test's own, or the project venv's (tests/compat)
         self.port = free_port()
@@ -56,7 +58,7 @@ class ServerProcess(ManagedProcess):
     def start(self, timeout: float = 180.0) -> ServerProcess:
         """Start (or, after `kill()`, restart on the same port) and wait for /healthz."""
         self.launch([self.python, "-m", "deploy.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-                     "--data-dir", str(self.data_dir), "--base-model", self.base_model, *self.args], self.env)
+                     "--data-dir", str(self.data_dir), "--base-model", self.model_folder, *self.args], self.env)
         self.wait_until(lambda: healthy(f"{self.base_url}/api/v1/healthz"), timeout)
         return self
 
