@@ -12,9 +12,10 @@ from tinker.proto import tinker_public_pb2 as pb
 from server.services.tenants import create_key
 
 
-def tenant_model(http: TestClient, base_model: str, rank: int = 2) -> tuple[dict[str, str], str]:
+def tenant_model(http: TestClient, base_model: str, rank: int = 2,
+                 tenant: str = "tenant") -> tuple[dict[str, str], str]:
     """A new tenant's key headers and the id of a LoRA model it created (the create's future already collected)."""
-    key, _ = http.portal.call(create_key, http.app.state.ctx.db, "tenant")  # type: ignore[attr-defined,union-attr]
+    key, _ = http.portal.call(create_key, http.app.state.ctx.db, tenant)  # type: ignore[attr-defined,union-attr]
     headers = {"X-API-Key": key}
     sid = http.post("/api/v1/create_session", json={"tags": []}, headers=headers).json()["session_id"]
     made = http.post("/api/v1/create_model", headers=headers, json={

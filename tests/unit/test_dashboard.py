@@ -37,7 +37,7 @@ from server.services import lifecycle
 from server.services.loss_history import LossHistory
 from server.services.tenants import create_key
 from tests.unit.test_hot_routes import MODEL, _gateway
-from tests.unit.test_parse_once import _request
+from tests.support.embedded import fb_request, tenant_model
 
 
 def _fb_job(job_id: str, model: str, seq: int, forward_only: bool = False) -> Job:
@@ -174,19 +174,13 @@ def _loss_gateway(data_dir: Path) -> FastAPI:
 class _Tenant:
     def __init__(self, http: TestClient, name: str) -> None:
         self.http = http
-        key, _ = http.portal.call(create_key, http.app.state.ctx.db, name)  # type: ignore[union-attr]
-        self.headers = {"X-API-Key": key}
-        sid = self.post("/api/v1/create_session", {"tags": []}).json()["session_id"]
-        made = self.post("/api/v1/create_model", {"session_id": sid, "model_seq_id": 0, "base_model": MODEL,
-                                                  "lora_config": {"rank": 1}}).json()
-        assert self.post("/api/v1/retrieve_future", {"request_id": made["request_id"]}).status_code == 200
-        self.model_id: str = made["model_id"]
+        self.headers, self.model_id = tenant_model(http, MODEL, rank=1, tenant=name)
 
     def post(self, path: str, body: Any) -> Any:
         return self.http.post(path, json=body, headers=self.headers)
 
     def step(self, seq: int) -> None:
-        fut = self.http.post("/api/v1/forward_backward", content=_request(self.model_id, seq, [5, 6, 7, 8, 9]),
+        fut = self.http.post("/api/v1/forward_backward", content=fb_request(self.model_id, seq, [5, 6, 7, 8, 9]),
                              headers={**self.headers, "Content-Type": "application/x-protobuf"})
         assert fut.status_code == 200, fut.text
         assert self.post("/api/v1/retrieve_future", {"request_id": fut.json()["request_id"]}).status_code == 200
