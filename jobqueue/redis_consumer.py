@@ -3,8 +3,10 @@
 Exactly one worker process runs a queue's jobs at a time: it holds the lease (SET NX PX, renewed in the
 background, fenced in every acknowledgement). A worker that takes over after its predecessor died first
 reclaims the entries the dead consumer had read but never acknowledged (XAUTOCLAIM), then reads new ones.
-Later, entries of any other consumer idle longer than `reclaim_idle` are claimed as well (XPENDING + XCLAIM);
-the worker's own pending entries are never re-read, since the scheduler may hold them for a while.
+Later, entries of any other consumer idle longer than `reclaim_idle` are claimed as well (XPENDING + XCLAIM).
+The worker's own pending entries are re-read only after a read failed (the connection dropped, Redis restarted):
+Redis may have delivered entries whose answer never arrived, and nobody else would ever run them while this worker
+holds the lease. Those the worker already has (`running`: the scheduler may hold them for a while) are left out.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class StreamConsumer:
         self._renewer: asyncio.Task[None] | None = None
         self._takeover_done = False
         self._next_reclaim = 0.0
+        self._reread_own = False  # a read failed: entries may have been delivered without their answer
 
     async def ensure_group(self) -> None:
         try:  # id 0: jobs queued before any worker existed are delivered too
@@ -89,11 +92,18 @@ class StreamConsumer:
                 self.lost, self.held = True, False
                 return
 
-    async def read(self, timeout: float) -> list[Entry]:
-        """Entries to run: a dead predecessor's first, else new ones (blocking up to `timeout` for one)."""
+    async def read(self, timeout: float, running: frozenset[str] = frozenset()) -> list[Entry]:
+        """Entries to run: a dead predecessor's first, then, after a failed read, this consumer's own pending ones
+        that are not `running` (entry ids the worker has), else new ones (blocking up to `timeout` for one)."""
         claimed = await self._reclaim()
         if claimed:
             return claimed
+        if self._reread_own:
+            own = await self._own_pending(running)
+            self._reread_own = False
+            if own:
+                log.warning("re-read %d jobs of %s delivered while a read failed", len(own), self.queue_name)
+                return own
         block = max(1, int(timeout * 1000)) if timeout > 0 else None  # None: no BLOCK (0 would wait forever)
         try:
             reply = await self.client.xreadgroup(GROUP, self.name, {self.stream: ">"}, count=self.batch, block=block)
@@ -103,7 +113,22 @@ class StreamConsumer:
             log.warning("consumer group of %s is gone (Redis restarted without persistence?); recreating", self.queue_name)
             await self.ensure_group()
             return []
+        except Exception:  # the answer may be lost after Redis delivered (and, with AOF, recorded) the entries
+            self._reread_own = True
+            raise
         return [(_s(i), f) for _, entries in (reply or []) for i, f in entries if f]
+
+    async def _own_pending(self, running: frozenset[str]) -> list[Entry]:
+        """This consumer's delivered, unacknowledged entries (XREADGROUP from id 0), minus those `running`."""
+        out: list[Entry] = []
+        after = "0"
+        while True:
+            reply = await self.client.xreadgroup(GROUP, self.name, {self.stream: after}, count=self.batch)
+            entries = [(_s(i), f) for _, rows in (reply or []) for i, f in rows]
+            if not entries:
+                return out
+            out += [(i, f) for i, f in entries if f and i not in running]  # no fields: deleted since
+            after = entries[-1][0]
 
     async def _reclaim(self) -> list[Entry]:
         if not self._takeover_done:  # right after taking the lease every other consumer is dead: take all

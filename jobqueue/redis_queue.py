@@ -244,7 +244,7 @@ class RedisQueue(GatewayQueue, WorkerQueue):
         c = self.consumer(queue_name)
         if not await c.acquire(timeout):
             return []
-        entries = await c.read(timeout)
+        entries = await c.read(timeout, frozenset(e for e, q, _ in self._inflight.values() if q == queue_name))
         if not entries:
             return []
         out = []

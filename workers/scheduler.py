@@ -24,10 +24,13 @@ queued any more, and the model's line goes with it. Later jobs of a released mod
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from api_schemas.jobs import ForwardBackward, Job, ReleaseModel
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -123,10 +126,12 @@ class Scheduler:
         return None
 
     def _skip_gaps(self, now: float) -> None:
-        for line in self._lines.values():
+        for model_id, line in self._lines.items():
             if line.pending and line.next_seq not in line.pending:
                 oldest = min(e.arrived for e in line.pending.values())
                 if now - oldest >= self.gap_timeout:
+                    log.warning("%s: seq_id %d did not arrive within %.0f s; running from seq_id %d (a late one "
+                                "will be refused)", model_id, line.next_seq, self.gap_timeout, min(line.pending))
                     line.next_seq = min(line.pending)
 
     def pop_ready(self, now: float) -> list[Job]:

@@ -39,3 +39,36 @@ def test_fetch_with_timeout_zero_takes_what_is_queued_and_never_blocks(redis_url
         await q.close()
 
     asyncio.run(go())
+
+
+def test_entries_delivered_by_a_read_whose_answer_was_lost_are_read_again(redis_url: str, prefix: str) -> None:
+    """Redis delivers entries (and, with AOF, records them as this consumer's) but the answer never arrives: the
+    connection drops, or Redis is killed right after writing its log. The worker must still run them; nobody else
+    would while it holds the lease (found by the fault campaign: the job waited in the worker's own pending list, the
+    next seq_id ran after the gap timeout, and the job was refused as already executed at the next takeover)."""
+    async def go() -> None:
+        q = RedisQueue(redis_url, prefix=prefix)
+        assert await q.fetch(Q, timeout=0.1) == []  # takes the lease, creates the group
+        held = job(1)
+        await q.submit(held)
+        assert [g.job_id for g in await q.fetch(Q, timeout=0)] == [held.job_id]  # in flight: never read twice
+        lost, after = job(2), job(3)
+        await q.submit(lost)
+        client = q.consumer(Q).client
+        real = client.xreadgroup
+
+        async def answer_lost(*args, **kwargs):  # type: ignore[no-untyped-def]
+            await real(*args, **kwargs)  # Redis delivers...
+            client.xreadgroup = real
+            raise ConnectionError("connection lost")  # ...and the answer never arrives
+
+        client.xreadgroup = answer_lost
+        with pytest.raises(ConnectionError):
+            await q.fetch(Q, timeout=0)
+        await q.submit(after)
+        assert [g.job_id for g in await q.fetch(Q, timeout=0)] == [lost.job_id]  # its own pending, not `held`
+        assert [g.job_id for g in await q.fetch(Q, timeout=0)] == [after.job_id]
+        assert await q.fetch(Q, timeout=0) == []
+        await q.close()
+
+    asyncio.run(go())
