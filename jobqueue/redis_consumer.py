@@ -95,6 +95,13 @@ class StreamConsumer:
     async def read(self, timeout: float, running: frozenset[str] = frozenset()) -> list[Entry]:
         """Entries to run: a dead predecessor's first, then, after a failed read, this consumer's own pending ones
         that are not `running` (entry ids the worker has), else new ones (blocking up to `timeout` for one)."""
+        try:
+            return await self._read(timeout, running)
+        except Exception:  # the answer may be lost after Redis delivered or claimed (and, with AOF, recorded) entries
+            self._reread_own = True
+            raise
+
+    async def _read(self, timeout: float, running: frozenset[str]) -> list[Entry]:
         claimed = await self._reclaim()
         if claimed:
             return claimed
@@ -113,9 +120,6 @@ class StreamConsumer:
             log.warning("consumer group of %s is gone (Redis restarted without persistence?); recreating", self.queue_name)
             await self.ensure_group()
             return []
-        except Exception:  # the answer may be lost after Redis delivered (and, with AOF, recorded) the entries
-            self._reread_own = True
-            raise
         return [(_s(i), f) for _, entries in (reply or []) for i, f in entries if f]
 
     async def _own_pending(self, running: frozenset[str]) -> list[Entry]:
@@ -132,7 +136,6 @@ class StreamConsumer:
 
     async def _reclaim(self) -> list[Entry]:
         if not self._takeover_done:  # right after taking the lease every other consumer is dead: take all
-            self._takeover_done = True
             out: list[Entry] = []
             start = "0-0"
             while True:
@@ -141,6 +144,7 @@ class StreamConsumer:
                 out += [(_s(i), f) for i, f in entries if f]
                 if start == "0-0":
                     break
+            self._takeover_done = True  # only now: a takeover cut short by a failure starts again
             await self._drop_other_consumers()
             if out:
                 log.warning("reclaimed %d unacknowledged jobs of %s from a dead worker", len(out), self.queue_name)

@@ -72,3 +72,34 @@ def test_entries_delivered_by_a_read_whose_answer_was_lost_are_read_again(redis_
         await q.close()
 
     asyncio.run(go())
+
+
+def test_a_takeover_whose_claim_answer_was_lost_still_runs_the_dead_workers_jobs(redis_url: str, prefix: str) -> None:
+    """The same at a takeover: Redis moves the dead worker's entries to the successor (XAUTOCLAIM) and the answer is
+    lost; the successor claims them again, or finds them among its own, and runs each once."""
+    async def go() -> None:
+        gateway = RedisQueue(redis_url, prefix=prefix)
+        dead = RedisQueue(redis_url, prefix=prefix, lease_ttl=1.0)
+        jobs = [job(1), job(2)]
+        for j in jobs:
+            await gateway.submit(j)
+        assert len(await dead.fetch(Q, timeout=2)) == 2
+        dead.consumer(Q)._renewer.cancel()  # type: ignore[union-attr]  # the process "dies": no renewals
+        successor = RedisQueue(redis_url, prefix=prefix, lease_ttl=1.0)
+        client = successor.consumer(Q).client
+        real = client.xautoclaim
+
+        async def answer_lost(*args, **kwargs):  # type: ignore[no-untyped-def]
+            await real(*args, **kwargs)
+            client.xautoclaim = real
+            raise ConnectionError("connection lost")
+
+        client.xautoclaim = answer_lost
+        with pytest.raises(ConnectionError):
+            await successor.fetch(Q, timeout=5)
+        assert sorted(g.job_id for g in await successor.fetch(Q, timeout=0)) == sorted(j.job_id for j in jobs)
+        assert await successor.fetch(Q, timeout=0) == []
+        for q in (gateway, dead, successor):
+            await q.close()
+
+    asyncio.run(go())
