@@ -4,8 +4,8 @@ Upstream's route hands `<session>-<adapter_name>` and a peft LoraConfig to its s
 vLLMSampler leaves the call unimplemented, and its `sample(adapter_name=...)` selects no LoRA); a slot's weights
 would arrive only by a weight sync, which this server's HTTP protocol does not offer. A fresh LoRA (peft's default
 init: B = 0) computes exactly the base model, so a slot here is its name and validated config (SQL
-`native_sampler_adapters`) and sampling with its name samples the base model's weights. `adapter_uri` (the caller's own saved checkpoint) is
-how trained weights are sampled, and it wins when both are given.
+`native_sampler_adapters`) and sampling with its name samples the base model's weights. `adapter_uri` (the
+caller's own saved checkpoint) is how trained weights are sampled, and it wins when both are given.
 
 A slot belongs to the caller's tenant, its native session (`X-Twinkle-Session-Id`, which must be the key's tenant's
 and live) and the served model whose sampler it was added to: another tenant's session is a 404, and so is a name
