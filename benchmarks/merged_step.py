@@ -4,7 +4,8 @@ One training step per tenant = forward_backward (cross_entropy) + optim_step (`s
 the forward_backward passes alone). Sequential runs each tenant's
 forward_backward alone (how most open servers train); merged lets the worker's scheduler pack them into steps under the engine's token
 budget (one step when they fit) and runs each step as one merged pass (Trainer.execute_step). Both run on the same Trainer, interleaved (A B A B ...), and the median of the repeats
-is reported, so load from other processes hits both sides alike. Prints one JSON line.
+is reported, so load from other processes hits both sides alike. Timing starts once the trainer's thread choice has
+measured its candidates on both sides' pass sizes (what a running server has done). Prints one JSON line.
 
 Usage: python benchmarks/merged_step.py [--model tiny|smollm2] [--shapes 16x64,16x16,4x512,4x8x512] [--repeats 5]
 A shape is TENANTSxTOKENS (one row per tenant) or TENANTSxROWSxTOKENS.
@@ -33,6 +34,7 @@ from tests.unit.engine_jobs import create, fb, optim  # noqa: E402
 from workers.checkpoints.store import CheckpointStore  # noqa: E402
 from workers.engine.base_model import BaseModel  # noqa: E402
 from workers.engine.trainer import Trainer  # noqa: E402
+from workers.engine.threads import TRIALS  # noqa: E402
 from workers.scheduler import Scheduler  # noqa: E402
 
 
@@ -125,10 +127,18 @@ class Bench:
         return fb_s, time.perf_counter() - t
 
 
+def warm_up_rounds(trainer: Trainer) -> int:
+    """Rounds before timing: one, plus those in which the trainer's thread choice tries each candidate count on a
+    new size class (workers/engine/threads.py), as a server does on its first passes of each size."""
+    chooser = trainer.threads
+    return 1 + (0 if chooser.fixed else TRIALS * len(chooser.candidates))
+
+
 def run_shape(trainer: Trainer, shape: str, vocab: int, rank: int, repeats: int, budget: int) -> dict:
     tenants, rows, tokens = parse_shape(shape)
     bench = Bench(trainer, tenants, rows, tokens, vocab, rank, budget)
-    bench.sequential(), bench.merged()  # warm-up
+    for _ in range(warm_up_rounds(trainer)):
+        bench.sequential(), bench.merged()
     seq, mer = [], []
     for _ in range(repeats):
         seq.append(bench.sequential())

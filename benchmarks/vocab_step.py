@@ -70,7 +70,8 @@ def child(args: argparse.Namespace) -> None:
                 times.append(time.perf_counter() - t)
                 cpu.append(_cpu() - c)
     chooser = getattr(trainer, "threads", None)
-    chosen = {str(1 << (k - 1)): c.chosen for k, c in chooser.classes.items()} if chooser else None
+    chosen = ({f"{work}:{1 << (k - 1)}": c.chosen for (work, k), c in chooser.classes.items()} if chooser
+              else None)
     print(json.dumps({"step_s": statistics.median(times), "cpu_s": statistics.median(cpu), "threads_chosen": chosen,
                       "load_rss_mb": round(load_rss, 1),
                       "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),

@@ -67,6 +67,7 @@ def _pass(base: BaseModel, chunked: bool, monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setattr(head_logprobs, "KEEP_FLOATS", keep_floats)
     monkeypatch.setattr(head_logprobs, "KEEP_MIN_HIDDEN", 0)  # the tiny model's hidden size is 64
     monkeypatch.setattr(head_logprobs, "CHUNK_FLOATS", 2 * base.vocab_size + 1)  # chunks of 2 positions
+    monkeypatch.setattr(head_logprobs, "FULL_FLOATS", 0)  # the tiny pass would compute its logits whole
     lengths = [7, 3, 5, 7, 2, 6]
     g = torch.Generator().manual_seed(2)
     ids = torch.zeros(len(lengths), 7, dtype=torch.int64)
@@ -97,8 +98,9 @@ def test_routed_pass_matches_full_logits(base: BaseModel, monkeypatch: pytest.Mo
         torch.testing.assert_close(a, b, rtol=0, atol=1e-9)
 
 
-def test_trained_head_weight_gets_its_gradient(base: BaseModel) -> None:
+def test_trained_head_weight_gets_its_gradient(base: BaseModel, monkeypatch: pytest.MonkeyPatch) -> None:
     """A full-parameter run trains the head's weight itself: its gradient equals autograd's over full logits."""
+    monkeypatch.setattr(head_logprobs, "FULL_FLOATS", 0)
     weight = base.model.lm_head.base.weight
     ids = torch.tensor([[5, 9, 11, 4]])
     mask = torch.ones_like(ids)
@@ -111,3 +113,22 @@ def test_trained_head_weight_gets_its_gradient(base: BaseModel) -> None:
     finally:
         weight.requires_grad_(False)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("full_floats, chunked", [(0, True), (4 * 384, True), (5 * 384, False)])
+def test_only_a_pass_with_many_logits_is_chunked(base: BaseModel, monkeypatch: pytest.MonkeyPatch,
+                                                 full_floats: int, chunked: bool) -> None:
+    """A pass of at most FULL_FLOATS logits floats (rows x width x vocab) computes them whole: the same log-probs."""
+    assert base.vocab_size == 384
+    monkeypatch.setattr(head_logprobs, "FULL_FLOATS", full_floats)
+    calls = []
+    apply = head_logprobs._TargetLogprobs.apply
+    monkeypatch.setattr(head_logprobs._TargetLogprobs, "apply", lambda *a: calls.append(1) or apply(*a))
+    ids = torch.tensor([[5, 9, 11, 4, 7]])
+    mask = torch.tensor([[1, 1, 1, 1, 0]])
+    targets = torch.tensor([[[9], [11], [4], [6], [0]]])
+    with torch.no_grad():
+        got = target_logprobs(base.model, ids, mask, targets)
+        want = torch.log_softmax(base.model(input_ids=ids, attention_mask=mask).logits, -1).gather(-1, targets)
+    assert bool(calls) is chunked
+    torch.testing.assert_close(got, want[mask.bool()], rtol=0, atol=1e-9)

@@ -75,4 +75,32 @@ def test_a_failed_pass_is_no_measurement() -> None:
     with pytest.raises(RuntimeError):
         with chooser.pass_of(100):
             raise RuntimeError("boom")
-    assert all(not s for s in chooser.classes[(100).bit_length()].samples.values())
+    assert all(not s for s in chooser.classes[("pass", (100).bit_length())].samples.values())
+
+
+def test_optimizer_steps_are_measured_apart_from_passes() -> None:
+    chooser = ThreadChooser(max_threads=2)
+    _measure(chooser, 1024, {1: 2.0, 2: 1.0})  # passes of 1024 tokens: two threads
+    tried = []
+    for _ in range(TRIALS * 2):  # optimizer steps of 1024 parameter elements: a class of their own
+        n = chooser.choose(1024, work="optim")
+        tried.append(n)
+        chooser.record(1024, n, {1: 1.0, 2: 3.0}[n], work="optim")
+    assert sorted(tried) == [1] * TRIALS + [2] * TRIALS
+    assert chooser.choose(1024, work="optim") == 1 and chooser.choose(1024) == 2
+
+
+def test_the_trainer_times_its_optimizer_steps(tmp_path, tiny_model_dir) -> None:
+    from tests.unit.engine_jobs import create, fb, optim
+    from workers.checkpoints.store import CheckpointStore
+    from workers.engine.base_model import BaseModel
+    from workers.engine.trainer import Trainer
+
+    chooser = ThreadChooser(max_threads=2)
+    trainer = Trainer(BaseModel("tiny", tiny_model_dir), CheckpointStore(tmp_path), threads=chooser)
+    assert trainer.execute(create("m", rank=4)).ok
+    assert trainer.execute(fb("m", 1, [[5, 6, 7, 8]])).ok
+    assert trainer.execute(optim("m", 2)).ok
+    elements = sum(t.numel() for t in trainer.pool.get("m").params)
+    trials = chooser.classes[("optim", elements.bit_length())].samples
+    assert sum(len(s) for s in trials.values()) == 1

@@ -18,7 +18,10 @@ nothing. The gradients are the same as autograd's through log_softmax + gather (
 float64 to 1e-9).
 
 Only architectures whose causal-LM head is exactly `lm_head(final hidden state)` take this path (`plain_head`); any
-other (logit soft-capping, logit scales, biases) computes full logits as before.
+other (logit soft-capping, logit scales, biases) computes full logits as before. So does a pass whose logits are
+small (at most FULL_FLOATS: a small vocabulary or a few positions): there the traffic saved is nothing, and the
+chunked path's Python per segment and recomputed head matmul made the tests' tiny model's 4x512-token step ~10%
+slower.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from workers.engine.multi_lora import LoraLinear, head_terms
 PLAIN_HEAD_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "smollm3"})
 CHUNK_FLOATS = 1 << 21  # logits floats per chunk (8 MiB in float32) per 128 of hidden size (wider: bigger matmuls)
 KEEP_FLOATS = 1 << 26  # softmax floats a pass may keep for backward (256 MiB in float32), instead of recomputing
+FULL_FLOATS = 1 << 20  # a pass with at most this many logits floats (4 MiB in float32) computes them whole
 KEEP_MIN_HIDDEN = 256  # below this hidden size recomputing a chunk's logits is cheaper than keeping its softmax
 
 
@@ -57,7 +61,7 @@ def target_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: t
     """log p(targets) at every real position: (real positions, targets per position), positions in row-major
     order of `attention_mask` (right-padded rows). `targets` is (rows, width, k). Chunked when `plain_head(model)`."""
     keep = attention_mask.bool()
-    if not plain_head(model):
+    if not plain_head(model) or input_ids.numel() * model.lm_head.weight.shape[0] <= FULL_FLOATS:
         logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
         logp = torch.log_softmax(logits.to(wide_dtype(logits.dtype)), dim=-1)
         return logp.gather(-1, targets)[keep]

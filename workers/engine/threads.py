@@ -1,4 +1,4 @@
-"""The trainer's intra-op thread count, chosen per merged pass from its size.
+"""The trainer's intra-op thread count, chosen per merged pass (and per optimizer step) from its size.
 
 A small pass is bound by per-op overhead, and a second intra-op thread costs more in synchronisation than it saves
 (tiny model, one client: 1 thread ~4,800 tokens/s, 2 threads ~3,400); a large pass wants every core. Where the
@@ -8,6 +8,11 @@ candidate thread count in turn (1, then doubling up to the maximum) until each h
 on the class runs with the count whose passes took the least time per token (the median of its trials), and
 re-measures the candidates `REFRESH_SECONDS` after that choice, so a change of load (another process taking a
 core, or leaving it) is followed within minutes whatever the size of the passes.
+
+Optimizer steps are measured the same way, in size classes of their own (`work="optim"`, sized by the adapter's
+parameter elements): under OMP_WAIT_POLICY=PASSIVE every parallel region of an elementwise op wakes sleeping
+threads (~40 us each on this machine's 2 cores), so a small adapter's AdamW step runs ~3x faster on one thread,
+while a large one's gains from every core.
 
 The count is set on the calling thread only (torch's OpenMP intra-op pool is per thread), so a sampler thread in
 the same process keeps its own. A fixed count (`TWINKLE_TRAIN_THREADS`) turns the choice off.
@@ -40,7 +45,7 @@ class ThreadChooser:
 
     max_threads: int = field(default_factory=torch.get_num_threads)
     fixed: int = 0
-    classes: dict[int, _SizeClass] = field(default_factory=dict)
+    classes: dict[tuple[str, int], _SizeClass] = field(default_factory=dict)  # (work, size class) -> its trials
 
     @property
     def candidates(self) -> list[int]:
@@ -50,20 +55,20 @@ class ThreadChooser:
             n *= 2
         return out + [self.max_threads]
 
-    def choose(self, tokens: int) -> int:
+    def choose(self, tokens: int, work: str = "pass") -> int:
         if self.fixed or self.max_threads <= 1:
             return self.fixed or 1
-        c = self._class(tokens)
+        c = self._class(tokens, work)
         if c.chosen is not None and time.monotonic() - c.chosen_at < REFRESH_SECONDS:
             return c.chosen
         if c.chosen is not None:  # time to measure again
             c.chosen, c.samples = None, {n: [] for n in self.candidates}
         return min(c.samples, key=lambda n: len(c.samples[n]))  # the candidate with the fewest trials so far
 
-    def record(self, tokens: int, threads: int, seconds: float) -> None:
+    def record(self, tokens: int, threads: int, seconds: float, work: str = "pass") -> None:
         if self.fixed or self.max_threads <= 1:
             return
-        c = self._class(tokens)
+        c = self._class(tokens, work)
         if c.chosen is not None:
             return
         c.samples.setdefault(threads, []).append(seconds / max(tokens, 1))
@@ -72,20 +77,21 @@ class ThreadChooser:
             c.chosen_at = time.monotonic()
 
     @contextmanager
-    def pass_of(self, tokens: int) -> Iterator[int]:
-        """Run a pass of `tokens` padded tokens with the chosen threads (on this thread), timing it."""
-        threads = self.choose(tokens)
+    def pass_of(self, tokens: int, work: str = "pass") -> Iterator[int]:
+        """Run a pass of `tokens` padded tokens (work="optim": an optimizer step of `tokens` parameter elements)
+        with the chosen threads (on this thread), timing it."""
+        threads = self.choose(tokens, work)
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
         start = time.perf_counter()
         try:
             yield threads
-            self.record(tokens, threads, time.perf_counter() - start)  # a pass that raised is no measurement
+            self.record(tokens, threads, time.perf_counter() - start, work)  # a pass that raised is no measurement
         finally:
             torch.set_num_threads(before)
 
-    def _class(self, tokens: int) -> _SizeClass:
-        key = max(tokens, 1).bit_length()
+    def _class(self, tokens: int, work: str) -> _SizeClass:
+        key = (work, max(tokens, 1).bit_length())
         c = self.classes.get(key)
         if c is None:
             c = self.classes[key] = _SizeClass({n: [] for n in self.candidates})

@@ -202,9 +202,11 @@ class Trainer:
     def optim_step(self, model_id: str, p: OptimStep) -> tuple[dict[str, float], float, int]:
         """(metrics, learning rate used, the model's optimizer steps so far) of one step of the job's optimizer."""
         with self._pool_of(model_id).pinned([model_id]) as (adapter,):  # the first step creates the moments
+            elements = sum(t.numel() for t in adapter.params)  # the step's thread count goes by its size
             try:  # the adapter's gradient buffers go in as they are (None: no loss reached that param, zero)
-                return optimizer_step(adapter.params, adapter.optim, p.optimizer, p.schedule,
-                                      grads=list(adapter.grads), grad_scale=p.grad_scale)
+                with self.threads.pass_of(elements, work="optim"):
+                    return optimizer_step(adapter.params, adapter.optim, p.optimizer, p.schedule,
+                                          grads=list(adapter.grads), grad_scale=p.grad_scale)
             finally:
                 # a failed step (non-finite norm) drops its gradients too: the tenant can go on training
                 adapter.grads = [None] * len(adapter.params)
