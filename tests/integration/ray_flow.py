@@ -8,8 +8,9 @@ different nodes by custom resources), and `twinkle-server serve --backend ray` w
 replica mid-run and checks that Serve replaced it and the final weights and optimizer state equal an uninterrupted
 run's, checks session affinity over two sampler replicas, and pushes a checkpoint through the hub-pusher deployment
 to a fake hub; the `budgets` scenario checks that the trainer replica applies the paging budgets, the token budget
-and the tenants' published quotas (workers/runtime.py). Prints one `RESULT {json}` line per check and exits 1 on
-any failure (with the logs).
+and the tenants' published quotas (workers/runtime.py); the `two-node` scenario runs with tracing on and checks that
+the replicas' job spans reach an OTLP collector in the gateway's traces. Prints one `RESULT {json}` line per check
+and exits 1 on any failure (with the logs).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ os.environ["RAY_AUTH_MODE"] = "disabled"  # the same as the test cluster's nodes
 import httpx
 
 from tests.integration.fake_hub import FakeHub
+from tests.support.otlp import OtlpReceiver
 from tests.support.ray_cluster import RayCluster
 from tests.support.ray_sdk import (
     Gateway,
@@ -41,6 +43,7 @@ from tests.support.ray_sdk import (
     runtime_budgets,
     sdk_flow,
     session_affinity,
+    traces,
     weights_survive_kill,
 )
 from tests.support.redis_server import RedisServer
@@ -94,6 +97,7 @@ def run(scenario: str, work: Path) -> list[dict]:
     # the Ray nodes' environment: the pusher may reach the hub, and shares the gateway's secret (it unseals tokens)
     os.environ.update({"HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_XET": "1", "TWINKLE_SIGNING_SECRET": SECRET})
     cluster = RayCluster(work)
+    collector = OtlpReceiver().__enter__() if scenario == "two-node" else None  # tracing on, to this collector
     gateway: Gateway | None = None
     try:
         head_cpus, head_res = SCENARIOS[scenario]["head"]
@@ -105,6 +109,9 @@ def run(scenario: str, work: Path) -> list[dict]:
         cfg.write_text(yaml.safe_dump(app_config(model_dir, scenario)))
         env = {"TWINKLE_REDIS_URL": redis.url, "TWINKLE_REDIS_PREFIX": "raytest", "TWINKLE_LONG_POLL_SECONDS": "10",
                "TWINKLE_HF_ENDPOINT": hub.url, **cluster.env}
+        if collector is not None:  # the replicas get the endpoint from the gateway's settings (worker_options)
+            env.update({"TWINKLE_OTEL_ENDPOINT": collector.url + "/v1/traces",
+                        "TWINKLE_OTEL_SERVICE_NAME": "twinkle-ray-test", "OTEL_BSP_SCHEDULE_DELAY": "100"})
         if scenario == "budgets":  # from the gateway's settings to the trainer replica's runtime
             env.update({"TWINKLE_ADAPTER_DEVICE_BUDGET_BYTES": "0", "TWINKLE_ADAPTER_HOST_BUDGET_BYTES": "0",
                         "TWINKLE_QUOTA_CACHE_SECONDS": "1"})
@@ -124,6 +131,8 @@ def run(scenario: str, work: Path) -> list[dict]:
             results.append(replica_metrics(gateway, flow))
         if scenario == "two-node":
             results.append(placement(cluster, beats))
+        if collector is not None:
+            results.append(traces(collector))
         if scenario == "single":
             results.append(hub_push(gateway, hub, HUB_TOKEN, flow["path"]))
             results.append(session_affinity(gateway, redis.url, "raytest", str(model_dir)))
@@ -143,6 +152,8 @@ def run(scenario: str, work: Path) -> list[dict]:
         cluster.stop()
         redis.stop()
         hub.__exit__(None, None, None)
+        if collector is not None:
+            collector.__exit__(None, None, None)
     results.append({"check": "total", "ok": True, "seconds": round(time.monotonic() - t0, 1)})
     return results
 

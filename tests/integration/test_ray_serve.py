@@ -5,7 +5,8 @@ the stock tinker SDK. tests/integration/ray_flow.py does the work and prints one
   the two sampler replicas only, a hub push runs on the pusher deployment (to a fake hub); the trainer replica is SIGKILLed mid-run, Serve replaces
   it, and the final weights and optimizer state equal an uninterrupted run's (snapshot + replay);
 - two nodes (a second `ray start` in the same namespace): the trainer on the head, the sampler on the other node
-  (custom resources), and the flow still passes.
+  (custom resources), and the flow still passes; tracing is on, and the replicas' job spans reach an OTLP collector
+  as children of the gateway's request spans.
 Skipped only when Ray Serve is not installed, there is no redis-server, or network namespaces are not permitted.
 """
 
@@ -108,5 +109,7 @@ def test_ray_two_nodes_trainer_and_sampler_on_different_nodes(tmp_path: Path) ->
     placement = checks["placement"]
     assert placement["nodes"] == 2 and placement["trainer_node"] != placement["sampler_node"], placement
     assert placement["ok"], placement
+    # tracing on: the trainer replica's and the sample router's job spans joined the gateway's request traces
+    assert checks["traces"]["ok"], checks["traces"]
     assert checks["sdk_flow"]["ok"], checks["sdk_flow"]
     assert checks["metrics"]["ok"], checks["metrics"]  # each replica's metrics in the gateway's /metrics

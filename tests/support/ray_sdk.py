@@ -102,6 +102,30 @@ def sdk_flow(gw: Gateway, model: str) -> dict[str, Any]:
             "sampled_tokens": sum(len(s.tokens) for s in (*seqs, *base_seqs)), "prompt_tokens": 2 * 4}
 
 
+def traces(receiver: Any, timeout: float = 30.0) -> dict[str, Any]:
+    """The flow's traces as an OTLP collector got them from every process (tracing on: TWINKLE_OTEL_ENDPOINT): the
+    trace of a forward_backward request holds the trainer replica's job spans, that of an asample request the sample
+    router's, each a child of the gateway's request span (the trace context crossed Redis in the job)."""
+    want = {"/api/v1/forward_backward": ["ray:trainer"], "/api/v1/asample": ["ray:sample-router"]}
+    deadline = time.monotonic() + timeout
+    while True:
+        spans = receiver.spans()
+        found: dict[str, list[str]] = {}
+        for route in want:
+            requests = {s["trace_id"]: s for s in spans if s["name"] == f"POST {route}"}
+            children = [s for s in spans if s["trace_id"] in requests
+                        and s["parent_span_id"] == requests[s["trace_id"]]["span_id"]]
+            runs = [s for s in children
+                    if s["name"] == "twinkle.job.run" and s["attributes"].get("twinkle.outcome") == "ok"]
+            found[route] = sorted({s["resource"].get("twinkle.process", "") for s in runs})
+        ok = found == want
+        if ok or time.monotonic() > deadline:
+            return {"check": "traces", "ok": ok, "job_run_processes": found,
+                    "processes": sorted({s["resource"].get("twinkle.process", "") for s in spans}),
+                    "services": sorted({s["resource"].get("service.name", "") for s in spans})}
+        time.sleep(0.5)
+
+
 def replica_metrics(gw: Gateway, flow: dict[str, Any], timeout: float = 20.0) -> dict[str, Any]:
     """The replicas' metrics in the gateway's /metrics (published through Redis, labelled worker=deployment#replica):
     the sampled and prompt tokens of the flow, and trained tokens from the trainer replica."""
