@@ -8,9 +8,10 @@ different nodes by custom resources), and `twinkle-server serve --backend ray` w
 replica mid-run and checks that Serve replaced it and the final weights and optimizer state equal an uninterrupted
 run's, checks session affinity over two sampler replicas, and pushes a checkpoint through the hub-pusher deployment
 to a fake hub; the `budgets` scenario checks that the trainer replica applies the paging budgets, the token budget
-and the tenants' published quotas (workers/runtime.py); the `two-node` scenario runs with tracing on and checks that
-the replicas' job spans reach an OTLP collector in the gateway's traces. Prints one `RESULT {json}` line per check
-and exits 1 on any failure (with the logs).
+and the tenants' published quotas (workers/runtime.py); the `two-models` scenario serves two base models from the
+YAML's models list, each trained and sampled by a tenant of its own; the `two-node` scenario runs with tracing on
+and checks that the replicas' job spans reach an OTLP collector in the gateway's traces. Prints one `RESULT {json}`
+line per check and exits 1 on any failure (with the logs).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from tests.support.ray_sdk import (
     replica_metrics,
     runtime_budgets,
     sdk_flow,
+    model_replicas,
     session_affinity,
     traces,
     weights_survive_kill,
@@ -59,12 +61,14 @@ SCENARIOS = {
     "two-node": {"head": (1, {"trainer_node": 1}), "node": (1, {"sampler_node": 1})},
     # one node: the trainer's paging budgets (environment), token budget (YAML) and a tenant's published quota
     "budgets": {"head": (2, {"trainer_node": 1, "sampler_node": 1}), "node": None},
+    # one node: two base models in the YAML's models list, each with its own trainer, sampler and router
+    "two-models": {"head": (2, {"trainer_node": 1, "sampler_node": 1}), "node": None},
 }
 BUDGET_TOKENS = 1234  # limits.train_token_budget of the budgets scenario
 
 
-def app_config(model_dir: Path, scenario: str) -> dict:
-    cpus = 0.7 if scenario == "two-node" else 0.5
+def app_config(model_dirs: list[Path], scenario: str) -> dict:
+    cpus = {"two-node": 0.7, "two-models": 0.4}.get(scenario, 0.5)
     sampler_replicas = 2 if scenario == "single" else 1  # two replicas: sessions must stick to one of them
     limits = {"worker_lease_seconds": 3, "snapshot_every_steps": 3, "reclaim_idle_seconds": 10}
     if scenario == "budgets":
@@ -79,7 +83,7 @@ def app_config(model_dir: Path, scenario: str) -> dict:
                         "resources": {"sampler_node": 0.25},
                         "max_ongoing_requests": 16, **fast},
             "router": {"num_cpus": 0.1},
-        }],
+        } for model_dir in model_dirs],
         "pusher": {"num_cpus": 0.1, "replicas": 1},
         "limits": limits,
     }
@@ -92,6 +96,7 @@ def run(scenario: str, work: Path) -> list[dict]:
     t0 = time.monotonic()
     work.mkdir(parents=True, exist_ok=True)
     model_dir = build_tiny_model(work / "model")
+    models = [model_dir, build_tiny_model(work / "model-b", seed=1)] if scenario == "two-models" else [model_dir]
     redis = RedisServer(work / "redis").start()
     hub = FakeHub({HUB_TOKEN}).__enter__()  # a stand-in Hugging Face Hub on loopback, for the pusher deployment
     # the Ray nodes' environment: the pusher may reach the hub, and shares the gateway's secret (it unseals tokens)
@@ -106,7 +111,7 @@ def run(scenario: str, work: Path) -> list[dict]:
             cpus, res = SCENARIOS[scenario]["node"]
             cluster.add_node(cpus, res, "node2")
         cfg = work / "ray-app.yaml"
-        cfg.write_text(yaml.safe_dump(app_config(model_dir, scenario)))
+        cfg.write_text(yaml.safe_dump(app_config(models, scenario)))
         env = {"TWINKLE_REDIS_URL": redis.url, "TWINKLE_REDIS_PREFIX": "raytest", "TWINKLE_LONG_POLL_SECONDS": "10",
                "TWINKLE_HF_ENDPOINT": hub.url, **cluster.env}
         if collector is not None:  # the replicas get the endpoint from the gateway's settings (worker_options)
@@ -126,6 +131,13 @@ def run(scenario: str, work: Path) -> list[dict]:
         beats = heartbeats(redis.url, "raytest")
         if scenario == "budgets":
             results.append(runtime_budgets(gateway, redis.url, "raytest", str(model_dir), BUDGET_TOKENS))
+        elif scenario == "two-models":  # each model trained and sampled by a tenant of its own
+            served = [str(m) for m in models]
+            key_b = cli("keys", "create", "--tenant", "ray-tenant-b", data_dir=gateway.data_dir,
+                        env=gateway.env).strip()
+            results.append(sdk_flow(gateway, served[0], served, name="sdk_flow_a"))
+            results.append(sdk_flow(gateway, served[1], served, api_key=key_b, name="sdk_flow_b"))
+            results.append(model_replicas(gateway, redis.url, "raytest", served))
         else:
             results.append(flow := sdk_flow(gateway, str(model_dir)))
             results.append(replica_metrics(gateway, flow))

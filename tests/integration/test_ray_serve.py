@@ -6,7 +6,9 @@ the stock tinker SDK. tests/integration/ray_flow.py does the work and prints one
   it, and the final weights and optimizer state equal an uninterrupted run's (snapshot + replay);
 - two nodes (a second `ray start` in the same namespace): the trainer on the head, the sampler on the other node
   (custom resources), and the flow still passes; tracing is on, and the replicas' job spans reach an OTLP collector
-  as children of the gateway's request spans.
+  as children of the gateway's request spans;
+- two base models in the YAML's models list: each has its own trainer, sampler and router, and a tenant on each
+  trains and samples.
 Skipped only when Ray Serve is not installed, there is no redis-server, or network namespaces are not permitted.
 """
 
@@ -113,3 +115,19 @@ def test_ray_two_nodes_trainer_and_sampler_on_different_nodes(tmp_path: Path) ->
     assert checks["traces"]["ok"], checks["traces"]
     assert checks["sdk_flow"]["ok"], checks["sdk_flow"]
     assert checks["metrics"]["ok"], checks["metrics"]  # each replica's metrics in the gateway's /metrics
+
+
+def test_ray_two_base_models_each_with_its_own_replicas(tmp_path: Path) -> None:
+    """The YAML's models list with two base models: each gets its own trainer, sampler and router, and a tenant on
+    each trains and samples through the stock SDK."""
+    checks, _, seconds = run_scenario("two-models", tmp_path / "ray-models")
+    print(f"two-models scenario: {seconds:.0f}s")
+    assert "error" not in checks, checks.get("error")
+    assert checks["ready"]["ok"]
+    kinds = sorted(d["kind"] for d in checks["ready"]["readyz"]["deployments"])
+    assert kinds == ["hub-pusher", *["sample-router"] * 2, *["sampler"] * 2, *["trainer"] * 2], kinds
+    for name in ("sdk_flow_a", "sdk_flow_b"):
+        flow = checks[name]
+        assert len(flow["models"]) == 2 and flow["loss_last"] < flow["loss_first"] * 0.9, flow
+        assert flow["ok"], flow
+    assert checks["model_replicas"]["ok"], checks["model_replicas"]

@@ -79,13 +79,15 @@ def heartbeats(redis_url: str, prefix: str) -> dict[str, list[dict[str, Any]]]:
     return asyncio.run(read())
 
 
-def sdk_flow(gw: Gateway, model: str) -> dict[str, Any]:
-    """Stock SDK: capabilities, LoRA SFT, save for the sampler, sample from the adapter and from the base model."""
+def sdk_flow(gw: Gateway, model: str, served: list[str] | None = None, api_key: str | None = None,
+             name: str = "sdk_flow") -> dict[str, Any]:
+    """Stock SDK: capabilities (`served`, default [model]), LoRA SFT, save for the sampler, sample from the adapter and
+    from the base model; as the gateway's tenant, or the one `api_key` belongs to."""
     import tinker
     from tinker import types
 
     t0 = time.monotonic()
-    with tinker.ServiceClient(base_url=gw.base_url, api_key=gw.api_key) as sc:
+    with tinker.ServiceClient(base_url=gw.base_url, api_key=api_key or gw.api_key) as sc:
         caps = [m.model_name for m in sc.get_server_capabilities().supported_models]
         tc = sc.create_lora_training_client(base_model=model, rank=4, seed=3)
         losses = sft(tc, 8, same_batch=True)
@@ -95,9 +97,10 @@ def sdk_flow(gw: Gateway, model: str) -> dict[str, Any]:
         tuned = sc.create_sampling_client(model_path=path).sample(prompt, num_samples=2, sampling_params=params)
         base = sc.create_sampling_client(base_model=model).sample(prompt, num_samples=1, sampling_params=params)
         seqs, base_seqs = tuned.result().sequences, base.result().sequences
-    ok = (caps == [model] and losses[-1] < losses[0] * 0.9 and path.endswith("/sampler_weights/ray-e2e")
+    ok = (sorted(caps) == sorted(served or [model]) and losses[-1] < losses[0] * 0.9
+          and path.endswith("/sampler_weights/ray-e2e")
           and len(seqs) == 2 and all(1 <= len(s.tokens) <= 5 for s in seqs) and len(base_seqs) == 1)
-    return {"check": "sdk_flow", "ok": ok, "seconds": round(time.monotonic() - t0, 1), "models": caps, "path": path,
+    return {"check": name, "ok": ok, "seconds": round(time.monotonic() - t0, 1), "models": caps, "path": path,
             "loss_first": losses[0], "loss_last": losses[-1], "sampled": [list(s.tokens) for s in seqs],
             "sampled_tokens": sum(len(s.tokens) for s in (*seqs, *base_seqs)), "prompt_tokens": 2 * 4}
 
@@ -124,6 +127,31 @@ def traces(receiver: Any, timeout: float = 30.0) -> dict[str, Any]:
                     "processes": sorted({s["resource"].get("twinkle.process", "") for s in spans}),
                     "services": sorted({s["resource"].get("service.name", "") for s in spans})}
         time.sleep(0.5)
+
+
+def model_replicas(gw: Gateway, redis_url: str, prefix: str, served: list[str], timeout: float = 20.0,
+                   ) -> dict[str, Any]:
+    """Each served model has its own live trainer, sampler and sample-router replica (the base model each reports in
+    its heartbeat), and each model's trainer trained (its trained tokens in the gateway's /metrics, labelled
+    worker=deployment#replica)."""
+    from tests.support.prom import scrape
+
+    models: dict[str, list[str]] = {}
+    for beats in heartbeats(redis_url, prefix).values():
+        for b in beats:
+            if b["info"].get("kind") in ("trainer", "sampler", "sample-router"):
+                models.setdefault(b["info"]["kind"], []).append(str(b["info"].get("base_model")))
+    replicas = {kind: sorted(ms) for kind, ms in sorted(models.items())}
+    deadline = time.monotonic() + timeout
+    while True:  # replicas publish their metrics every few seconds
+        trained = sorted({dict(ls).get("worker", "").split("#")[0] for (n, ls), v in scrape(gw.base_url).items()
+                          if n == "twinkle_tokens_total" and dict(ls)["kind"] == "trained" and v > 0})
+        if len(trained) >= len(served) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    ok = (all(replicas.get(k) == sorted(served) for k in ("trainer", "sampler", "sample-router"))
+          and len(trained) == len(served) and all(w.startswith("trainer-") for w in trained))
+    return {"check": "model_replicas", "ok": ok, "replicas": replicas, "trained_by": trained}
 
 
 def replica_metrics(gw: Gateway, flow: dict[str, Any], timeout: float = 20.0) -> dict[str, Any]:
