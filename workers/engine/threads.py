@@ -15,7 +15,9 @@ threads (~40 us each on this machine's 2 cores), so a small adapter's AdamW step
 while a large one's gains from every core.
 
 The count is set on the calling thread only (torch's OpenMP intra-op pool is per thread), so a sampler thread in
-the same process keeps its own. A fixed count (`TWINKLE_TRAIN_THREADS`) turns the choice off.
+the same process keeps its own, once it has run a parallel op: torch also keeps the count process-wide and a thread
+takes it at its first parallel op, so a thread starting during a one-thread pass starts with one (the count is
+restored after each pass). A fixed count (`TWINKLE_TRAIN_THREADS`) turns the choice off.
 """
 
 from __future__ import annotations
