@@ -12,12 +12,13 @@ from workers.engine import threads as threads_mod
 from workers.engine.threads import TRIALS, ThreadChooser
 
 
-def _measure(chooser: ThreadChooser, tokens: int, seconds_per_token: dict[int, float]) -> list[int]:
+def _measure(chooser: ThreadChooser, tokens: int, seconds_per_token: dict[int, float], work: str = "pass",
+             ) -> list[int]:
     tried = []
     for _ in range(TRIALS * len(chooser.candidates)):
-        n = chooser.choose(tokens)
+        n = chooser.choose(tokens, work)
         tried.append(n)
-        chooser.record(tokens, n, seconds_per_token[n] * tokens)
+        chooser.record(tokens, n, seconds_per_token[n] * tokens, work)
     return tried
 
 
@@ -81,11 +82,7 @@ def test_a_failed_pass_is_no_measurement() -> None:
 def test_optimizer_steps_are_measured_apart_from_passes() -> None:
     chooser = ThreadChooser(max_threads=2)
     _measure(chooser, 1024, {1: 2.0, 2: 1.0})  # passes of 1024 tokens: two threads
-    tried = []
-    for _ in range(TRIALS * 2):  # optimizer steps of 1024 parameter elements: a class of their own
-        n = chooser.choose(1024, work="optim")
-        tried.append(n)
-        chooser.record(1024, n, {1: 1.0, 2: 3.0}[n], work="optim")
+    tried = _measure(chooser, 1024, {1: 1.0, 2: 3.0}, "optim")  # optimizer steps of 1024 elements: their own class
     assert sorted(tried) == [1] * TRIALS + [2] * TRIALS
     assert chooser.choose(1024, work="optim") == 1 and chooser.choose(1024) == 2
 

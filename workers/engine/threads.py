@@ -57,43 +57,43 @@ class ThreadChooser:
             n *= 2
         return out + [self.max_threads]
 
-    def choose(self, tokens: int, work: str = "pass") -> int:
+    def choose(self, size: int, work: str = "pass") -> int:
         if self.fixed or self.max_threads <= 1:
             return self.fixed or 1
-        c = self._class(tokens, work)
+        c = self._class(size, work)
         if c.chosen is not None and time.monotonic() - c.chosen_at < REFRESH_SECONDS:
             return c.chosen
         if c.chosen is not None:  # time to measure again
             c.chosen, c.samples = None, {n: [] for n in self.candidates}
         return min(c.samples, key=lambda n: len(c.samples[n]))  # the candidate with the fewest trials so far
 
-    def record(self, tokens: int, threads: int, seconds: float, work: str = "pass") -> None:
+    def record(self, size: int, threads: int, seconds: float, work: str = "pass") -> None:
         if self.fixed or self.max_threads <= 1:
             return
-        c = self._class(tokens, work)
+        c = self._class(size, work)
         if c.chosen is not None:
             return
-        c.samples.setdefault(threads, []).append(seconds / max(tokens, 1))
+        c.samples.setdefault(threads, []).append(seconds / max(size, 1))  # per token (per element)
         if all(len(s) >= TRIALS for s in c.samples.values()):
             c.chosen = min(c.samples, key=lambda n: statistics.median(c.samples[n]))
             c.chosen_at = time.monotonic()
 
     @contextmanager
-    def pass_of(self, tokens: int, work: str = "pass") -> Iterator[int]:
-        """Run a pass of `tokens` padded tokens (work="optim": an optimizer step of `tokens` parameter elements)
-        with the chosen threads (on this thread), timing it."""
-        threads = self.choose(tokens, work)
+    def pass_of(self, size: int, work: str = "pass") -> Iterator[int]:
+        """Run a piece of work of `size` with the chosen threads (on this thread), timing it: a pass of `size` padded
+        tokens, or (work="optim") an optimizer step of `size` parameter elements."""
+        threads = self.choose(size, work)
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
         start = time.perf_counter()
         try:
             yield threads
-            self.record(tokens, threads, time.perf_counter() - start, work)  # a pass that raised is no measurement
+            self.record(size, threads, time.perf_counter() - start, work)  # a pass that raised is no measurement
         finally:
             torch.set_num_threads(before)
 
-    def _class(self, tokens: int, work: str) -> _SizeClass:
-        key = (work, max(tokens, 1).bit_length())
+    def _class(self, size: int, work: str) -> _SizeClass:
+        key = (work, max(size, 1).bit_length())
         c = self.classes.get(key)
         if c is None:
             c = self.classes[key] = _SizeClass({n: [] for n in self.candidates})
