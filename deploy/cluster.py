@@ -23,7 +23,7 @@ from deploy.specs import (
 from jobqueue.redis_queue import RedisQueue
 from jobqueue.resident_limits import publish_resident_limits as publish
 from server.app import Background, create_app
-from server.auth.keys import RedisGeneration, SharedAuth
+from server.auth.keys import SharedAuth, redis_generation
 from server.auth.rate_limits import RequestLimiter
 from server.config import Settings
 from server.db.database import Database
@@ -46,10 +46,10 @@ def redis_queue(settings: Settings) -> RedisQueue:
     )
 
 
-def shared_auth(queue: RedisQueue) -> SharedAuth:
+def shared_auth(queue: RedisQueue, check_seconds: float) -> SharedAuth:
     """The key generation and request buckets in the queue's Redis, so that every gateway sees a key change at once
     and a tenant's request rate is counted once across them (server/auth/keys.py, server/auth/rate_limits.py)."""
-    return SharedAuth(RedisGeneration(queue.client, queue.keys.auth_generation),
+    return SharedAuth(redis_generation(queue.client, queue.keys.auth_generation, check_seconds),
                       RequestLimiter(queue.client, queue.keys.request_bucket))
 
 
@@ -73,7 +73,8 @@ def build_gateway_app(settings: Settings) -> FastAPI:
     # hub uploads run on the gateway's own threads; they read the checkpoints from the shared storage
     pusher = hub_pusher(storage_from_settings(settings), settings.hub_push_concurrency)
     return create_app(settings, queue, served, background=background, pusher=pusher, limits=limits,
-                      unavailable=failed if settings.gateway_runs_worker else None, shared=shared_auth(queue))
+                      unavailable=failed if settings.gateway_runs_worker else None,
+                      shared=shared_auth(queue, settings.auth_check_seconds))
 
 
 def _registered(queue: RedisQueue, model: ServedModel, run: Callable[[], Awaitable[None]]) -> Background:

@@ -173,7 +173,8 @@ def build_ray_gateway_app(settings: Settings) -> FastAPI:
     served: dict[str, ServedModel] = {}
     pusher = RedisHubPusher(queue.client, queue.keys, load_secret(settings))
     background = [lambda: follow_registry(queue, served), lambda: publish_resident_limits(settings, queue)]
-    return create_app(settings, queue, served, background=background, pusher=pusher, shared=shared_auth(queue))
+    return create_app(settings, queue, served, background=background, pusher=pusher,
+                      shared=shared_auth(queue, settings.auth_check_seconds))
 
 
 def serve_ray(settings: Settings, config: RayAppConfig, address: str | None, deploy_app: bool = True) -> int:

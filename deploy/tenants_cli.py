@@ -103,7 +103,7 @@ async def announced(settings: Settings) -> int:
     """Tell every gateway of the cluster that keys changed (cluster mode); 1 when Redis could not be reached."""
     from server.auth.keys import announce_key_change
 
-    if await announce_key_change(settings.redis_url, settings.redis_prefix):
+    if await announce_key_change(settings.redis_url, settings.redis_prefix, settings.auth_check_seconds):
         return 0
     print(f"warning: Redis unreachable: gateways apply the change within auth_cache_seconds "
           f"({settings.auth_cache_seconds} s)", file=sys.stderr)

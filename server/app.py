@@ -32,7 +32,7 @@ from server.api.native import processor as native_processor
 from server.api.native import sampler as native_sampler
 from server.api.native import usage as native_usage
 from server.api.tinker import checkpoints, custom_losses, downloads, runs
-from server.auth.keys import Generation, KeyCache, SharedAuth, SqlGeneration
+from server.auth.keys import Generation, KeyCache, SharedAuth, sql_generation
 from server.auth.rate_limits import RequestLimiter
 from server.config import Settings
 from server.db.database import Database
@@ -149,7 +149,7 @@ def create_app(
 def _key_cache(settings: Settings, shared: SharedAuth | None) -> tuple[KeyCache, RequestLimiter]:
     """The API key cache and the request limiter (server/auth/keys.py, server/auth/rate_limits.py): checked against
     the cluster's shared generation and buckets, or against SQL and in-process buckets without them."""
-    generation: Generation = shared.generation if shared else SqlGeneration(settings.auth_check_seconds)
+    generation: Generation = shared.generation if shared else sql_generation(settings.auth_check_seconds)
     limiter = shared.limiter if shared else RequestLimiter()
     return KeyCache(settings.auth_cache_seconds, generation, KeyUse(settings.audit_key_use_seconds)), limiter
 

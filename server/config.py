@@ -67,11 +67,12 @@ class Settings(BaseSettings):
     native_processor_objects_per_tenant: int = Field(20, gt=0)
     native_processor_rows_per_tenant: int = Field(100_000, gt=0)  # see native_processor_objects_per_tenant
     native_processor_bytes_per_tenant: int = Field(32 * 1024 * 1024, gt=0)  # see native_processor_objects_per_tenant
-    # API keys (server/auth/keys.py): a cached key is re-read from SQL after auth_cache_seconds, at once after a
-    # key change in cluster mode (Redis), within auth_check_seconds without Redis; a key's first use in each
-    # audit_key_use_seconds window is written to the audit log (per gateway)
+    # API keys (server/auth/keys.py): a cached key is re-read from SQL after auth_cache_seconds, or sooner after a
+    # key change: each gateway looks for one every auth_check_seconds (the key generation, in Redis or SQL) and
+    # the key commands wait that long before they return, so the change applies everywhere once they have; a
+    # key's first use in each audit_key_use_seconds window is written to the audit log (per gateway)
     auth_cache_seconds: float = Field(5.0, ge=0)
-    auth_check_seconds: float = Field(1.0, ge=0)  # see auth_cache_seconds
+    auth_check_seconds: float = Field(1.0, ge=0, le=60)  # see auth_cache_seconds
     audit_key_use_seconds: float = Field(3600.0, gt=0)  # see auth_cache_seconds
     log_level: str = "INFO"  # below DEBUG, libraries' INFO logs are off (jobqueue/logs.py)
     log_format: Literal["text", "json"] = "text"  # json: one object per line, with request ids

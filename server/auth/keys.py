@@ -2,13 +2,15 @@
 
 The gateway caches key hash -> (tenant, key id) so the hot path skips one SQL round trip per request. A cached
 entry is used only while the *key generation* it was read under is still current, so a key change (revoke,
-rotate: server/services/tenants.py) applies on every gateway without waiting for the cache to expire:
+rotate: server/services/tenants.py) applies on every gateway without waiting for the cache to expire. Each gateway
+re-reads the generation at most every `auth_check_seconds`, and the key commands wait that long after their change
+before they return (`announce_key_change`), so a revoked key answers 401 on every gateway by the time `keys revoke`
+returns:
 
-- cluster mode (Redis): the generation is a Redis counter (`Keys.auth_generation`) that the operator command
-  increments after its SQL commit; every request with a cached key reads it (one GET), so a revoked key answers
-  401 on the first request any gateway receives after `keys revoke` returns;
-- embedded mode (no Redis; the operator command is another process): the generation is the newest
-  `api_keys.changed_at`, read from SQL at most every `auth_check_seconds`, so a revoked key works at most that long.
+- cluster mode (Redis): the generation is a Redis counter (`Keys.auth_generation`) that the key commands
+  increment after their SQL commit;
+- embedded mode (no Redis; the key commands run in another process): the generation is the newest
+  `api_keys.changed_at`, read from SQL.
 
 A rotated key's grace period ends on its own: the entry carries the key's `expires_at` and is checked against the
 clock on every use. `ttl` (auth_cache_seconds) stays the bound when the generation cannot be read or bumped.
@@ -16,10 +18,11 @@ clock on every use. `ttl` (auth_cache_seconds) stays the bound when the generati
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -65,34 +68,42 @@ class SharedAuth:
     limiter: RequestLimiter
 
 
-class RedisGeneration:
-    """The cluster's key generation: a Redis counter, read on each use (an unreadable one matches nothing)."""
+class PolledGeneration:
+    """A key generation re-read at most every `every` seconds by `read`. A read's time is taken before it starts, so
+    a value read before a key change is used for less than `every` seconds after that change. A read that fails
+    (Redis away) gives a value that matches no cached entry, so SQL answers, and is tried again on the next use."""
 
-    def __init__(self, client: Any, name: str) -> None:
-        self.client, self.name = client, name
-
-    async def current(self, s_factory: SessionFactory) -> object:
-        try:
-            return await self.client.get(self.name)
-        except Exception:  # Redis away: treat every cached entry as stale (SQL answers)
-            return object()
-
-
-class SqlGeneration:
-    """One gateway's key generation without Redis: the newest `api_keys.changed_at`, re-read every `every` s."""
-
-    def __init__(self, every: float) -> None:
-        self.every = every
+    def __init__(self, every: float, read: Callable[[SessionFactory], Awaitable[object]]) -> None:
+        self.every, self._read = every, read
         self._value: object = None
         self._read_at = float("-inf")
 
     async def current(self, s_factory: SessionFactory) -> object:
-        now = time.monotonic()
-        if now - self._read_at >= self.every:
-            async with s_factory() as s:
-                self._value = await repo.keys_changed_at(s)
-            self._read_at = now
-        return self._value
+        started = time.monotonic()
+        if started - self._read_at < self.every:
+            return self._value
+        try:
+            value = await self._read(s_factory)
+        except Exception:
+            return object()
+        if started >= self._read_at:  # a slower read that started earlier never replaces a newer one
+            self._value, self._read_at = value, started
+        return value
+
+
+def redis_generation(client: Any, name: str, every: float) -> PolledGeneration:
+    """The cluster's key generation: a Redis counter."""
+    async def read(_: SessionFactory) -> object:
+        return await client.get(name)
+    return PolledGeneration(every, read)
+
+
+def sql_generation(every: float) -> PolledGeneration:
+    """One gateway's key generation without Redis: the newest `api_keys.changed_at`."""
+    async def read(s_factory: SessionFactory) -> object:
+        async with s_factory() as s:
+            return await repo.keys_changed_at(s)
+    return PolledGeneration(every, read)
 
 
 @dataclass(frozen=True)
@@ -142,20 +153,23 @@ class KeyCache:
         return found.tenant_id if found is not None else None
 
 
-async def announce_key_change(redis_url: str | None, prefix: str) -> bool:
-    """After a key change is committed to SQL: bump the cluster's key generation (no-op without Redis). False when
-    Redis could not be reached (gateways then notice within auth_cache_seconds)."""
-    if not redis_url:
-        return True
-    import redis.asyncio as aioredis
+async def announce_key_change(redis_url: str | None, prefix: str, check_seconds: float) -> bool:
+    """After a key change is committed to SQL: bump the cluster's key generation (without Redis the SQL change is
+    the new generation), then wait until every gateway has read it (`check_seconds`: auth_check_seconds). False
+    when Redis could not be reached (gateways then notice within auth_cache_seconds)."""
+    bumped = True
+    if redis_url:
+        import redis.asyncio as aioredis
 
-    from jobqueue.keys import Keys
+        from jobqueue.keys import Keys
 
-    client = aioredis.Redis.from_url(redis_url)
-    try:
-        await client.incr(Keys(prefix).auth_generation)
-        return True
-    except Exception:
-        return False
-    finally:
-        await client.aclose()
+        client = aioredis.Redis.from_url(redis_url)
+        try:
+            await client.incr(Keys(prefix).auth_generation)
+        except Exception:
+            bumped = False
+        finally:
+            await client.aclose()
+    if bumped:
+        await asyncio.sleep(check_seconds)
+    return bumped

@@ -1,7 +1,8 @@
 """Keys and audit across a cluster: two gateway apps sharing one Postgres and one Redis. A key revoked or rotated
-through one is refused by the other on its very next request (no cache expiry to wait for); the request rate limit
-is one bucket for both; the audit log has the key use (once per window), the key changes and a publish; no log
-line of the run holds a key."""
+through one is refused by the other on its very next request once the key command has returned (no cache expiry to
+wait for: each gateway reads the key generation every auth_check_seconds, and the command waits that long); the
+request rate limit is one bucket for both; the audit log has the key use (once per window), the key changes and a
+publish; no log line of the run holds a key."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ RUNS = "/api/v1/training_runs"
 def gateways(redis_url: str, prefix: str, tmp_path: Path) -> Iterator[tuple[TestClient, TestClient, Settings]]:
     with fresh_database(prefix) as url:
         settings = Settings(data_dir=tmp_path, database_url=url.replace("postgresql://", "postgresql+asyncpg://"),
-                            redis_url=redis_url, redis_prefix=prefix, auth_cache_seconds=3600)
+                            redis_url=redis_url, redis_prefix=prefix, auth_cache_seconds=3600,
+                            auth_check_seconds=0.2)
         apps = [build_gateway_app(settings) for _ in range(2)]  # the cluster gateway as `serve` builds it
         with TestClient(apps[0]) as one, TestClient(apps[1]) as two:
             yield one, two, settings
@@ -41,6 +43,12 @@ def _call(client: TestClient, fn, *args):  # type: ignore[no-untyped-def]
     return client.portal.call(fn, *args)  # type: ignore[union-attr]
 
 
+def _announce(client: TestClient, settings: Settings) -> bool:
+    """What the key commands do after their change: bump the generation, wait auth_check_seconds."""
+    return bool(_call(client, announce_key_change, settings.redis_url, settings.redis_prefix,
+                      settings.auth_check_seconds))
+
+
 def _status(client: TestClient, key: str) -> int:
     return client.get(RUNS, headers={"X-API-Key": key}).status_code
 
@@ -52,17 +60,17 @@ def test_revoke_and_rotation_apply_on_every_gateway_at_once(gateways, caplog) ->
     key, key_id = _call(one, tenants.create_key, db, "acme")
     assert _status(one, key) == 200 and _status(two, key) == 200  # both gateways now hold it in their cache (1 h)
     _call(one, tenants.revoke, db, key_id)
-    assert _call(one, announce_key_change, settings.redis_url, settings.redis_prefix)
+    assert _announce(one, settings)
     assert _status(two, key) == 401 and _status(one, key) == 401  # the next request, no cache expiry waited for
     assert _status(two, "tml-" + "x" * 43) == 401  # a wrong key
 
     old, _ = _call(one, tenants.create_key, db, "acme")
     assert _status(two, old) == 200
     new, new_id, rotated = _call(one, tenants.rotate_key, db, "acme", timedelta(hours=1))
-    _call(one, announce_key_change, settings.redis_url, settings.redis_prefix)
+    _announce(one, settings)
     assert _status(two, old) == 200 and _status(two, new) == 200  # within the grace period both work
     _, _, rotated = _call(one, tenants.rotate_key, db, "acme", timedelta(0))  # grace over: every older key ends
-    _call(one, announce_key_change, settings.redis_url, settings.redis_prefix)
+    _announce(one, settings)
     assert new_id in rotated and _status(two, old) == 401 and _status(one, new) == 401
 
     logged = "\n".join(r.getMessage() + str(r.args) for r in caplog.records)
@@ -75,7 +83,7 @@ def test_grace_period_ends_on_its_own(gateways) -> None:  # type: ignore[no-unty
     db = _db(one)
     old, _ = _call(one, tenants.create_key, db, "acme")
     _call(one, tenants.rotate_key, db, "acme", timedelta(seconds=1))
-    _call(one, announce_key_change, settings.redis_url, settings.redis_prefix)
+    _announce(one, settings)
     assert _status(two, old) == 200  # cached again, now with its end of grace
     time.sleep(1.2)  # the grace period passes; nothing is announced: the cached entry's own expiry refuses it
     assert _status(two, old) == 401

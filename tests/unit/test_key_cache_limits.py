@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from server.auth.keys import KeyCache, SqlGeneration
+from server.auth.keys import KeyCache, PolledGeneration, sql_generation
 from server.auth.rate_limits import RequestLimiter
 from server.db.database import Database
 from server.services import tenants
@@ -40,7 +40,7 @@ def test_embedded_revocation_bound_is_the_check_interval(tmp_path: Path, every: 
         await db.create_schema()
         try:
             key, key_id = await tenants.create_key(db, "acme")
-            cache = KeyCache(3600, SqlGeneration(every))
+            cache = KeyCache(3600, sql_generation(every))
             found = await cache.tenant(db.session, key)
             assert found is not None
             await tenants.revoke(db, key_id)
@@ -50,6 +50,29 @@ def test_embedded_revocation_bound_is_the_check_interval(tmp_path: Path, every: 
             await db.close()
 
     assert asyncio.run(run()) == after_revoke
+
+
+def test_generation_is_read_once_per_interval_and_a_failed_read_matches_nothing() -> None:
+    reads: list[int] = []
+    answers: list[object] = [1, ConnectionError("redis is down"), 2]
+
+    async def read(_: object) -> object:
+        reads.append(1)
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    async def run() -> list[object]:
+        gen = PolledGeneration(3600, read)
+        seen = [await gen.current(None), await gen.current(None)]  # type: ignore[arg-type]
+        gen._read_at -= 3600  # the interval passes
+        failed = await gen.current(None)  # type: ignore[arg-type]
+        seen.append(failed == 1)  # what entries cached under generation 1 are compared with
+        seen.append(await gen.current(None))  # type: ignore[arg-type]  # read again at once after a failure
+        return seen
+
+    assert asyncio.run(run()) == [1, 1, False, 2] and len(reads) == 3
 
 
 def test_request_limits_fail_open_without_redis() -> None:
