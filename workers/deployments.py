@@ -129,9 +129,9 @@ def _build(spec: WorkerSpec, queue: RedisQueue, lanes: tuple[str, ...],
            resident_limit: ResidentLimitFeed | None = None) -> Runtime:
     """The replica's share of the runtime (blocking: loads weights), on Ray's CPU allotment."""
     if "train" in lanes or spec.sampler == "torch":  # torch computes here (vLLM runs its own processes)
-        import torch
+        from workers.engine.threads import set_threads
 
-        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1") or 1)))  # Ray sets it from num_cpus
+        set_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1") or 1)))  # Ray sets it from num_cpus
     return Runtime.build(spec, queue, lanes=lanes, resident_limit=resident_limit, durable=True)
 
 

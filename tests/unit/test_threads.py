@@ -36,6 +36,14 @@ def test_each_size_class_keeps_its_fastest_count() -> None:
     assert chooser.choose(4096) == 4 and chooser.choose(256) == 1
 
 
+def test_fewer_threads_only_when_clearly_faster() -> None:
+    chooser = ThreadChooser(max_threads=4)
+    _measure(chooser, 256, {1: 0.95, 2: 0.97, 4: 1.0})  # 5 % apart: noise on a busy machine, keep torch's count
+    assert chooser.choose(256) == 4
+    _measure(chooser, 4096, {1: 1.0, 2: 0.85, 4: 1.0})  # 15 % faster: two threads
+    assert chooser.choose(4096) == 2
+
+
 def test_a_class_is_measured_again_after_refresh(monkeypatch: pytest.MonkeyPatch) -> None:
     now = [1000.0]
     monkeypatch.setattr(threads_mod.time, "monotonic", lambda: now[0])
@@ -69,6 +77,26 @@ def test_pass_of_sets_the_calling_threads_count_only() -> None:
     t.join()
     assert seen["inside"] == seen["chosen"] == 1
     assert torch.get_num_threads() == outside  # this thread's count untouched
+
+
+def test_set_threads_leaves_mkl_dynamic_threading_on() -> None:
+    """torch.set_num_threads turns MKL's dynamic threading off (every MKL call then wakes every thread);
+    set_threads turns it back on. MKL's own getter is not exported by libtorch, its service one is."""
+    mkl = threads_mod._MKL
+    if mkl is None or not hasattr(mkl, "mkl_serv_get_dynamic"):
+        pytest.skip("this torch links no MKL")
+
+    def run() -> tuple[int, int, int]:
+        torch.set_num_threads(1)
+        after_torch = mkl.mkl_serv_get_dynamic()
+        threads_mod.set_threads(1)
+        return after_torch, mkl.mkl_serv_get_dynamic(), torch.get_num_threads()
+
+    seen: list[tuple[int, int, int]] = []
+    t = threading.Thread(target=lambda: seen.append(run()))  # counts are per thread: leave the test's own alone
+    t.start()
+    t.join()
+    assert seen == [(0, 1, 1)]
 
 
 def test_a_failed_pass_is_no_measurement() -> None:

@@ -5,14 +5,22 @@ A small pass is bound by per-op overhead, and a second intra-op thread costs mor
 crossover lies depends on the model and the machine, so it is measured on the real passes instead of guessed:
 passes fall into size classes (powers of two of their padded tokens); while a class is new, its passes take each
 candidate thread count in turn (1, then doubling up to the maximum) until each has run `TRIALS` passes; from then
-on the class runs with the count whose passes took the least time per token (the median of its trials), and
-re-measures the candidates `REFRESH_SECONDS` after that choice, so a change of load (another process taking a
+on the class runs with the count whose passes took the least time per token (the median of its trials), unless that
+is fewer threads than the maximum and not at least `MARGIN` faster than the maximum: the maximum is what torch uses
+left alone, and on a busy machine trials a few percent apart say nothing about which is faster. A class measures
+its candidates again `REFRESH_SECONDS` after its choice, so a change of load (another process taking a
 core, or leaving it) is followed within minutes whatever the size of the passes.
 
 Optimizer steps are measured the same way, in size classes of their own (`work="optim"`, sized by the adapter's
-parameter elements): under OMP_WAIT_POLICY=PASSIVE every parallel region of an elementwise op wakes sleeping
-threads (~40 us each on this machine's 2 cores), so a small adapter's AdamW step runs ~3x faster on one thread,
-while a large one's gains from every core.
+parameter elements): under OMP_WAIT_POLICY=PASSIVE every parallel region wakes sleeping threads (~40 us each on this
+machine's 2 cores), so a small adapter's step may be quicker on one thread, while a large one's gains from every
+core.
+
+Counts are set with `set_threads`: `torch.set_num_threads` also turns MKL's dynamic threading off
+(`mkl_set_dynamic(0)`), after which every MKL call, however small (the optimizer's vector math, a small gemm),
+wakes every thread: a tiny adapter's AdamW step took 2.3 ms instead of 0.85 at two threads. `set_threads` turns it
+back on, the state of a process that never set a count, so MKL still picks fewer threads than the count for small
+calls.
 
 The count is set on the calling thread only (torch's OpenMP intra-op pool is per thread), so a sampler thread in
 the same process keeps its own, once it has run a parallel op: torch also keeps the count process-wide and a thread
@@ -22,16 +30,44 @@ restored after each pass). A fixed count (`TWINKLE_TRAIN_THREADS`) turns the cho
 
 from __future__ import annotations
 
+import ctypes
 import statistics
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
+def _torch_mkl() -> ctypes.CDLL | None:
+    """The MKL torch links in (x86 builds), to reach its settings; None without one."""
+    if not torch.backends.mkl.is_available():
+        return None
+    lib_dir = Path(torch.__file__).parent / "lib"
+    for lib in sorted(lib_dir.glob("libtorch_cpu.*")) + sorted(lib_dir.glob("torch_cpu.dll")):
+        try:
+            found = ctypes.CDLL(str(lib))
+        except OSError:
+            continue
+        if hasattr(found, "MKL_Set_Dynamic"):
+            return found
+    return None
+
+
+_MKL = _torch_mkl()
+
+
+def set_threads(n: int) -> None:
+    """torch's intra-op thread count on this thread, with MKL's dynamic threading left on (see the module's doc)."""
+    torch.set_num_threads(n)
+    if _MKL is not None:
+        _MKL.MKL_Set_Dynamic(1)
+
+
 TRIALS = 3  # passes per candidate while measuring a size class
 REFRESH_SECONDS = 300.0  # how long a class keeps its choice before measuring again
+MARGIN = 0.1  # how much faster (per token) than the maximum count a smaller one must be to be chosen
 
 
 @dataclass
@@ -75,7 +111,9 @@ class ThreadChooser:
             return
         c.samples.setdefault(threads, []).append(seconds / max(size, 1))  # per token (per element)
         if all(len(s) >= TRIALS for s in c.samples.values()):
-            c.chosen = min(c.samples, key=lambda n: statistics.median(c.samples[n]))
+            median = {n: statistics.median(trials) for n, trials in c.samples.items()}
+            best = min(median, key=median.__getitem__)
+            c.chosen = best if median[best] <= (1 - MARGIN) * median[self.max_threads] else self.max_threads
             c.chosen_at = time.monotonic()
 
     @contextmanager
@@ -84,13 +122,13 @@ class ThreadChooser:
         tokens, or (work="optim") an optimizer step of `size` parameter elements."""
         threads = self.choose(size, work)
         before = torch.get_num_threads()
-        torch.set_num_threads(threads)
+        set_threads(threads)
         start = time.perf_counter()
         try:
             yield threads
             self.record(size, threads, time.perf_counter() - start, work)  # a pass that raised is no measurement
         finally:
-            torch.set_num_threads(before)
+            set_threads(before)
 
     def _class(self, size: int, work: str) -> _SizeClass:
         key = (work, max(size, 1).bit_length())
