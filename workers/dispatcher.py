@@ -193,19 +193,20 @@ class Dispatcher:
                 await loop.run_in_executor(self._executor, rec.discard, stale)
 
     async def _complete(self, result: JobResult, job: Job | None = None, replay: bool = False) -> None:
-        """Acknowledge with the result; retried while the backend is away, since the effect already happened."""
+        """Acknowledge with the result; retried while the backend is away, since the effect already happened. The
+        job's metrics and log line follow the acknowledgement, off the path of the waiting client."""
         taken = self._taken.pop(result.job_id, None)
-        if job is not None and taken is not None:
-            seconds = time.monotonic() - taken
-            metrics.job_finished(job, result, seconds)
-            log.debug("job %s (%s of %s) %s in %.3f s", job.job_id, job.payload.kind, job.model_id,
-                      "done" if result.ok else "failed", seconds, extra={"request_id": job.request_id})
+        seconds = time.monotonic() - taken if taken is not None else None
         delay = 0.1
         while True:
             try:
                 await self.queue.complete(result, job=job, replay=replay)
                 if self.spans.open:
                     self.spans.finished(result)
+                if job is not None and seconds is not None:
+                    metrics.job_finished(job, result, seconds)
+                    log.debug("job %s (%s of %s) %s in %.3f s", job.job_id, job.payload.kind, job.model_id,
+                              "done" if result.ok else "failed", seconds, extra={"request_id": job.request_id})
                 return
             except LeaseLost:
                 raise
