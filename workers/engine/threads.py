@@ -40,12 +40,12 @@ from pathlib import Path
 
 import torch
 
+
 def _torch_mkl() -> ctypes.CDLL | None:
     """The MKL torch links in (x86 builds), to reach its settings; None without one."""
     if not torch.backends.mkl.is_available():
         return None
-    lib_dir = Path(torch.__file__).parent / "lib"
-    for lib in sorted(lib_dir.glob("libtorch_cpu.*")) + sorted(lib_dir.glob("torch_cpu.dll")):
+    for lib in sorted((Path(torch.__file__).parent / "lib").glob("*torch_cpu.*")):  # libtorch_cpu.so, torch_cpu.dll
         try:
             found = ctypes.CDLL(str(lib))
         except OSError:
